@@ -1,0 +1,114 @@
+"""The aiofiles backend: the same contract as `ThreadIOEngine`, driven by an asyncio loop.
+
+Offered for asyncio callers and as a reference in `outcore bench-disk`. aiofiles runs each file
+call in the loop's executor, so every block costs a seek and a readinto/write hop through that
+pool; each concurrent block needs its own file object (they would share one file offset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import aiofiles
+import numpy as np
+
+from offload.io_config import IOConfig
+from offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
+
+
+class AiofilesIOEngine:
+    """Blocks of a request run as coroutines, at most `queue_depth` at once, over `threads` workers."""
+
+    def __init__(self, config: IOConfig) -> None:
+        self.config = config
+        self.counters = IOCounters()
+        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="outcore-aio")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._executor)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="outcore-aio-loop", daemon=True)
+        self._thread.start()
+        self._files: dict[str, asyncio.Queue] = {}  # path -> idle aiofiles objects (loop thread only)
+        self._opened: list = []
+        self._slots = asyncio.Semaphore(config.queue_depth)  # used in the loop thread only
+
+    def read(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
+             finalize: Finalizer | None = None) -> IOHandle:
+        return self._submit(False, file, offset, array, checksum, finalize)
+
+    def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
+              finalize: Finalizer | None = None) -> IOHandle:
+        return self._submit(True, file, offset, array, checksum, finalize)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close_files(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._executor.shutdown()
+
+    def _submit(self, write: bool, file: IOFile, offset: int, array: np.ndarray, checksum: bool,
+                finalize: Finalizer | None) -> IOHandle:
+        bs = self.config.block_size
+        handle = IOHandle(-(-len(array) // bs), len(array), finalize)
+        if len(array):
+            coro = self._request(handle, write, file, offset, memoryview(array), checksum)
+            asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return handle
+
+    async def _request(self, handle: IOHandle, write: bool, file: IOFile, offset: int, view: memoryview,
+                       checksum: bool) -> None:
+        bs = self.config.block_size
+        blocks = [self._block(handle, i, write, file, offset + s, view[s : s + bs], checksum)
+                  for i, s in enumerate(range(0, len(view), bs))]
+        await asyncio.gather(*blocks)
+
+    async def _block(self, handle: IOHandle, index: int, write: bool, file: IOFile, offset: int,
+                     view: memoryview, checksum: bool) -> None:
+        crc, error = 0, None
+        async with self._slots:
+            f = await self._checkout(file)
+            self.counters.begin()
+            try:
+                await f.seek(offset)
+                if write:
+                    if checksum:
+                        crc = await self._loop.run_in_executor(None, zlib.crc32, view)
+                    done = 0
+                    while done < len(view):
+                        done += await f.write(view[done:])
+                else:
+                    done = 0
+                    while done < len(view):
+                        n = await f.readinto(view[done:])
+                        if not n:
+                            raise ShortIOError(f"file ends at {offset + done:,}, {len(view) - done:,} bytes short")
+                        done += n
+                    if checksum:
+                        crc = await self._loop.run_in_executor(None, zlib.crc32, view)
+            except OSError as e:
+                error = e
+            finally:
+                self.counters.end(len(view), write)
+                self._files[file.path].put_nowait(f)
+        handle.block_done(index, crc, error)
+
+    async def _checkout(self, file: IOFile):
+        idle = self._files.get(file.path)
+        if idle is None:
+            idle = self._files[file.path] = asyncio.Queue()
+            for _ in range(self.config.queue_depth):
+                direct = file.direct
+                f = await aiofiles.open(file.path, "r+b", buffering=0,
+                                        opener=lambda p, fl, d=direct: os.open(p, fl | (os.O_DIRECT if d else 0)))
+                self._opened.append(f)
+                idle.put_nowait(f)
+        return await idle.get()
+
+    async def _close_files(self) -> None:
+        for f in self._opened:
+            await f.close()
+

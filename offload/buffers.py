@@ -1,0 +1,88 @@
+"""Page-aligned memory that O_DIRECT can read into and CUDA can copy from.
+
+A `Buffer` owns `capacity` bytes (a multiple of 4096) and hands out typed views of its first
+`nbytes`. Host buffers come from anonymous mmap, so they are page-aligned, zero-filled lazily and
+returned to the OS when the last view is gone (glibc's heap never holds them). Where CUDA exists
+they are registered as page-locked so host-to-device copies run asynchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+import torch
+
+from offload.io_config import PAGE, round_up
+
+log = logging.getLogger(__name__)
+
+
+class Buffer:
+    """`capacity` bytes of memory on one device, viewed as uint8 in `.tensor`."""
+
+    __slots__ = ("capacity", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        assert tensor.dtype == torch.uint8 and tensor.dim() == 1
+        self.capacity = tensor.numel()
+        self.tensor = tensor
+
+    def view(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The first `nbytes` as a tensor of `dtype` and `shape` (no copy)."""
+        assert nbytes <= self.capacity
+        return self.tensor[:nbytes].view(dtype).view(shape)
+
+    def fill_from(self, src: torch.Tensor) -> int:
+        """Copy `src`'s bytes in and zero the tail up to the next page; returns bytes copied."""
+        flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        self.tensor[:nbytes].copy_(flat)
+        tail = round_up(nbytes) - nbytes
+        if tail:
+            self.tensor[nbytes : nbytes + tail].zero_()
+        return nbytes
+
+
+class HostBuffer(Buffer):
+    """Page-aligned CPU memory from anonymous mmap; page-locked when `pin` is set."""
+
+    __slots__ = ("array", "pinned", "_mmap")
+
+    def __init__(self, nbytes: int, *, pin: bool = False) -> None:
+        capacity = round_up(max(nbytes, 1))
+        self._mmap = mmap.mmap(-1, capacity)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # zero-copy, keeps the mapping alive
+        super().__init__(torch.from_numpy(self.array))
+        assert self.tensor.data_ptr() % PAGE == 0
+        self.pinned = pin and _register_pinned(self.tensor)
+
+    def free(self) -> None:
+        """Unpin; the mapping itself goes when the last view of it is dropped."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+def _register_pinned(t: torch.Tensor) -> bool:
+    """Page-lock `t` in place (exact size, unlike the caching host allocator's powers of two)."""
+    if not torch.cuda.is_available():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister failed (%s); host buffers stay pageable and copies synchronous", err)
+        return False
+    return True
+
+
+class DeviceBuffer(Buffer):
+    """Memory on a CUDA device (no alignment needs; the caching allocator owns it)."""
+
+    __slots__ = ()
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        super().__init__(torch.empty(round_up(max(nbytes, 1)), dtype=torch.uint8, device=device))
+
+    def free(self) -> None:
+        """Nothing to do: the caching allocator reclaims it with the last reference."""

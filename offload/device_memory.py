@@ -1,0 +1,84 @@
+"""The DEVICE tier's memory on a CUDA GPU: a byte budget over the caching allocator, and copies.
+
+On a CPU-only machine the DEVICE tier is a second `HostBufferPool` (see store.py), so that a
+HOST <-> DEVICE move hands a buffer over without copying a byte.
+
+[Note: CUDA streams] Device buffers are allocated and filled on the store's copy stream, which the
+mover thread synchronizes before handing a tensor out; `record_stream(default stream)` then keeps
+the allocator from reusing the block while kernels queued on the default stream still read it.
+Tensors the store returns are safe to use on the default stream; other streams must wait on it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from offload.buffers import Buffer, DeviceBuffer, HostBuffer
+from offload.errors import OutOfBudgetError
+from offload.io_config import round_up
+
+
+class CudaMemory:
+    """Hands out `DeviceBuffer`s whose total capacity stays within `budget` bytes."""
+
+    def __init__(self, budget: int, device: torch.device) -> None:
+        if budget < 0:
+            raise ValueError(f"device_budget={budget} must be >= 0.")
+        self.budget = budget
+        self.device = device
+        self.in_use = 0
+        self.cached = 0
+        self.peak = 0
+        self.stream = torch.cuda.Stream(device)
+        self._lock = threading.Lock()
+
+    def try_acquire(self, nbytes: int) -> DeviceBuffer | None:
+        capacity = round_up(max(nbytes, 1))
+        if capacity > self.budget:
+            raise OutOfBudgetError("DEVICE", capacity, self.budget, "A single key is larger than the whole budget.")
+        with self._lock:
+            if self.in_use + capacity > self.budget:
+                return None
+            self.in_use += capacity
+            self.peak = max(self.peak, self.in_use)
+        try:
+            with torch.cuda.stream(self.stream):
+                return DeviceBuffer(capacity, self.device)
+        except torch.cuda.OutOfMemoryError as e:
+            with self._lock:
+                self.in_use -= capacity
+            raise OutOfBudgetError("DEVICE", capacity, self.budget,
+                                   "The GPU itself ran out of memory below the budget; lower device_budget.") from e
+
+    def release(self, buf: Buffer) -> None:
+        with self._lock:
+            self.in_use -= buf.capacity
+
+    def available(self) -> int:
+        with self._lock:
+            return self.budget - self.in_use
+
+    def close(self) -> None:
+        """Nothing cached here; the caching allocator keeps its own blocks."""
+
+    def to_device(self, src: HostBuffer, dst: DeviceBuffer, nbytes: int) -> None:
+        """Copy host -> device on the copy stream and wait for it; see [Note: CUDA streams]."""
+        n = round_up(nbytes)
+        with torch.cuda.stream(self.stream):
+            dst.tensor[:n].copy_(src.tensor[:n], non_blocking=src.pinned)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        dst.tensor.record_stream(torch.cuda.default_stream(self.device))
+
+    def to_host(self, src: DeviceBuffer, dst: HostBuffer, nbytes: int) -> None:
+        """Copy device -> host after everything queued on the default stream, and wait for it."""
+        n = round_up(nbytes)
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.tensor[:n].copy_(src.tensor[:n], non_blocking=dst.pinned)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()

@@ -1,0 +1,44 @@
+"""I/O settings shared by the store, the engine's config and `outcore bench-disk`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PAGE = 4096  # alignment of buffers, file offsets and lengths for O_DIRECT
+
+BACKENDS = ("threads", "aiofiles")
+
+
+@dataclass(frozen=True, slots=True)
+class IOConfig:
+    """How the store talks to its NVMe files.
+
+    block_size:  bytes per request; a multiple of 4096.
+    queue_depth: requests in flight at once (queued plus running) per engine.
+    threads:     worker threads issuing requests; the disk sees at most min(threads, queue_depth).
+    direct:      O_DIRECT where the filesystem allows it (falls back to buffered, logged once).
+    backend:     "threads" (os.preadv/pwritev in a thread pool) or "aiofiles" (asyncio).
+    checksum:    crc32 of every block on write, verified on read.
+    """
+
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    threads: int = 4
+    direct: bool = True
+    backend: str = "threads"
+    checksum: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < PAGE or self.block_size % PAGE:
+            raise ValueError(f"io.block_size={self.block_size} must be a positive multiple of {PAGE}.")
+        if self.queue_depth < 1:
+            raise ValueError(f"io.queue_depth={self.queue_depth} must be at least 1.")
+        if self.threads < 1:
+            raise ValueError(f"io.threads={self.threads} must be at least 1.")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"io.backend={self.backend!r} is not one of {', '.join(BACKENDS)}.")
+
+
+def round_up(n: int, multiple: int = PAGE) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
