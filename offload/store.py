@@ -377,6 +377,7 @@ class TieredStore:
         def landed(h: Handle) -> None:
             error = h.exception()
             with self._cond:
+                move = rec.move
                 old_mem = self._old_memory(old)
                 if error is None:
                     self._free(Tier.HOST, staging)
@@ -386,9 +387,7 @@ class TieredStore:
                     log.error("write of %r failed; it stays in host memory: %s", rec.key, error)
                     rec.buffer = staging
                     self._land(rec, Residency.HOST, old_buffer=old_mem)
-                move, rec.move = rec.move, None
-            if move is not None:
-                move.future.set_result(None)
+            move.future.set_result(None)
             done.set_done(error)
 
         with self._cond:

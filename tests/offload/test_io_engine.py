@@ -1,0 +1,103 @@
+import errno
+import logging
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from offload import io_engine
+from offload.backends import make_engine
+from offload.buffers import HostBuffer
+from offload.io_config import IOConfig
+from offload.io_engine import ShortIOError, open_io_file
+
+BACKENDS = ["threads", "aiofiles"]
+
+
+@pytest.fixture(params=BACKENDS)
+def engine(request):
+    eng = make_engine(IOConfig(block_size=16 << 10, queue_depth=4, threads=2, backend=request.param))
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("nbytes", [4096, 16 << 10, 5 * 4096 + (16 << 10), 3 << 20])
+def test_write_then_read_round_trips_with_block_checksums(engine, tmp_path, nbytes):
+    f = open_io_file(str(tmp_path / "f"), direct=True)
+    try:
+        src = HostBuffer(nbytes)
+        src.array[:] = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
+        w = engine.write(f, 8192, src.array, checksum=True)
+        w.wait()
+        dst = HostBuffer(nbytes)
+        r = engine.read(f, 8192, dst.array, checksum=True)
+        r.wait()
+        assert np.array_equal(src.array, dst.array)
+        bs = engine.config.block_size
+        assert w.crcs == r.crcs == [zlib.crc32(src.array[i:i + bs]) for i in range(0, nbytes, bs)]
+        assert engine.counters.bytes_read == nbytes and engine.counters.bytes_written == nbytes
+    finally:
+        f.close()
+
+
+def test_reading_past_the_end_is_a_short_read(engine, tmp_path):
+    f = open_io_file(str(tmp_path / "f"), direct=True)
+    try:
+        buf = HostBuffer(4 * 4096)
+        engine.write(f, 0, buf.array[:4096]).wait()
+        with pytest.raises(ShortIOError):
+            engine.read(f, 0, buf.array).wait()
+    finally:
+        f.close()
+
+
+def test_many_requests_in_flight_complete_independently(engine, tmp_path):
+    f = open_io_file(str(tmp_path / "f"), direct=True)
+    try:
+        bufs = [HostBuffer(64 << 10) for _ in range(16)]
+        for i, b in enumerate(bufs):
+            b.array[:] = i
+        handles = [engine.write(f, i * (64 << 10), b.array) for i, b in enumerate(bufs)]
+        for h in handles:
+            h.wait()
+        out = HostBuffer(16 * (64 << 10))
+        engine.read(f, 0, out.array).wait()
+        assert all((out.array[i * (64 << 10):(i + 1) * (64 << 10)] == i).all() for i in range(16))
+    finally:
+        f.close()
+
+
+def test_buffered_fallback_when_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    def refuse(path, flags):
+        raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs answers on older kernels
+
+    monkeypatch.setattr(io_engine, "_open_direct", refuse)
+    monkeypatch.setattr(io_engine, "_warned_buffered", set())
+    with caplog.at_level(logging.WARNING):
+        a = open_io_file(str(tmp_path / "a"), direct=True)
+        b = open_io_file(str(tmp_path / "b"), direct=True)
+    assert not a.direct and not b.direct
+    assert sum("O_DIRECT is not supported" in r.message for r in caplog.records) == 1, "said once"
+    a.close()
+    b.close()
+
+
+def test_direct_io_on_the_real_disk_and_on_tmpfs(tmp_path):
+    f = open_io_file(str(tmp_path / "f"), direct=True)
+    assert f.direct, "ext4 and xfs accept O_DIRECT"
+    f.close()
+    if os.path.isdir("/dev/shm"):
+        g = open_io_file(f"/dev/shm/outcore-test-{os.getpid()}", direct=True)
+        try:
+            eng = make_engine(IOConfig(block_size=4096, queue_depth=2, threads=1))
+            buf = HostBuffer(4096)
+            buf.array[:] = 3
+            eng.write(g, 0, buf.array).wait()
+            buf.array[:] = 0
+            eng.read(g, 0, buf.array).wait()
+            assert (buf.array == 3).all()
+            eng.close()
+        finally:
+            g.close()
+            os.unlink(g.path)
