@@ -26,7 +26,8 @@ def sample(dtype, n):
 
 
 def same_bytes(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 - bitwise, so NaNs compare too
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
 
 
 @pytest.mark.parametrize("backend", ["threads", "aiofiles"])
