@@ -1,10 +1,26 @@
-"""outcore's tiered storage manager: tensors paged between DEVICE, HOST and NVMe (SPEC.md §1)."""
+"""outcore's tiered storage manager: tensors paged between DEVICE, HOST and NVMe (SPEC.md §1).
 
-from offload.errors import OutOfBudgetError, StorageCorruptError, StorageError, StorageFullError
-from offload.handle import Handle
-from offload.io_config import IOConfig
-from offload.residency import Tier
-from offload.store import TieredStore
+Names are imported on first use, so that the torch-free parts (the I/O engines, used by
+`outcore bench-disk`) load without torch.
+"""
 
-__all__ = ["Handle", "IOConfig", "OutOfBudgetError", "StorageCorruptError", "StorageError", "StorageFullError",
-           "Tier", "TieredStore"]
+import importlib
+
+_EXPORTS = {
+    "TieredStore": "offload.store",
+    "Tier": "offload.residency",
+    "IOConfig": "offload.io_config",
+    "Handle": "offload.handle",
+    "StorageError": "offload.errors",
+    "StorageFullError": "offload.errors",
+    "StorageCorruptError": "offload.errors",
+    "OutOfBudgetError": "offload.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

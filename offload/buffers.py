@@ -9,12 +9,11 @@ they are registered as page-locked so host-to-device copies run asynchronously.
 from __future__ import annotations
 
 import logging
-import mmap
 
-import numpy as np
 import torch
 
-from offload.io_config import PAGE, round_up
+from offload.aligned import aligned_array
+from offload.io_config import round_up
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,11 @@ class Buffer:
 class HostBuffer(Buffer):
     """Page-aligned CPU memory from anonymous mmap; page-locked when `pin` is set."""
 
-    __slots__ = ("array", "pinned", "_mmap")
+    __slots__ = ("array", "pinned")
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
-        capacity = round_up(max(nbytes, 1))
-        self._mmap = mmap.mmap(-1, capacity)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)  # zero-copy, keeps the mapping alive
-        super().__init__(torch.from_numpy(self.array))
-        assert self.tensor.data_ptr() % PAGE == 0
+        self.array = aligned_array(nbytes)
+        super().__init__(torch.from_numpy(self.array))  # the same memory, no copy
         self.pinned = pin and _register_pinned(self.tensor)
 
     def free(self) -> None:

@@ -1,0 +1,26 @@
+"""Run fio, when it is on PATH, with the same settings as one of our I/O runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+
+def fio_available() -> bool:
+    return shutil.which("fio") is not None
+
+
+def fio_throughput(path: str, *, write: bool, size: int, block_size: int, queue_depth: int,
+                   direct: bool) -> float:
+    """Bytes per second of one sequential fio job (libaio, `queue_depth` requests in flight)."""
+    cmd = ["fio", "--name=outcore", f"--filename={path}", f"--rw={'write' if write else 'read'}",
+           f"--bs={block_size}", f"--size={size}", f"--direct={int(direct)}", "--ioengine=libaio",
+           f"--iodepth={queue_depth}", "--numjobs=1", "--output-format=json"]
+    if write:
+        cmd.append("--end_fsync=1")
+    else:
+        cmd.append("--invalidate=1")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return float(job["write" if write else "read"]["bw_bytes"])

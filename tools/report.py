@@ -1,0 +1,35 @@
+"""Output shared by the commands: a plain table for people, JSON for machines, a quiet progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+
+def table(headers: list[str], rows: list[list], *, out=None) -> None:
+    """Print rows under headers, columns right-aligned to their widest cell."""
+    out = out or sys.stdout
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)), file=out)
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)), file=out)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+
+
+@contextmanager
+def progress(total: int, desc: str):
+    """A tqdm bar on a terminal; nothing at all in a pipe."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, leave=False) as bar:
+        yield bar

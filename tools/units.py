@@ -1,0 +1,36 @@
+"""Byte sizes as people write them on a command line: 4G, 512M, 128K, 13B (billions) for counts."""
+
+from __future__ import annotations
+
+_BINARY = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4G' -> 4294967296 (binary multiples); raises ValueError with the accepted forms."""
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G") from None
+    if unit not in _BINARY or value < 0:
+        raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G")
+    return int(value * _BINARY[unit])
+
+
+def parse_list(text: str, parse=int) -> list:
+    """'128K,1M,8M' -> [131072, 1048576, 8388608] with `parse` applied to each item."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{text!r} names no values")
+    return [parse(t) for t in items]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
