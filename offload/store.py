@@ -106,11 +106,14 @@ class TieredStore:
             rec = KeyRecord(key, nbytes, tensor.dtype, tuple(tensor.shape), MOVING[tier], dirty=True)
             rec.move = Move(Residency.NVME, tier)
             self._records[key] = rec
+        buf = None
         try:
             buf = self._reserve(stage, nbytes, rec)
             self._fill(buf, tensor)
-        except BaseException:
-            self._undo_put(rec, old)
+        except BaseException as e:
+            if buf is not None:
+                self._free(stage, buf)
+            self._undo_put(rec, old, e)
             raise
         if tier != Tier.NVME:
             with self._cond:
@@ -252,25 +255,32 @@ class TieredStore:
                     self._counts["prefetch_hits"] += 1
             rec.prefetched = False
             return _done_future(rec.view())
+        move = rec.move
+        if move is None:
+            future = self._start_move(rec, tier, by_prefetch=False)
+            if count:  # a zero-copy hand-over is done at once: nobody waited
+                self._counts["hits" if future.done() else "misses"] += 1
+            return future
         if count:
             self._counts["misses"] += 1
-        move = rec.move
-        if move is not None and move.target == tier:
+        if move.target == tier:
             if count and move.by_prefetch:
                 self._counts["prefetch_late"] += 1
             return move.future
-        if move is not None:  # moving elsewhere: go on from wherever it lands
-            out: Future = Future()
+        # Moving elsewhere: go on from wherever it lands.
+        out: Future = Future()
 
-            def again(_: Future) -> None:
-                with self._cond:
-                    nxt = self._bring(rec, tier, count=False)
-                nxt.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
-                                      else out.set_result(f.result()))
+        def again(landed: Future) -> None:
+            with self._cond:
+                if self._records.get(rec.key) is not rec:  # a put failed and its record was dropped
+                    out.set_exception(landed.exception() or StorageError(f"key {rec.key!r} was dropped"))
+                    return
+                nxt = self._bring(rec, tier, count=False)
+            nxt.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
+                                  else out.set_result(f.result()))
 
-            move.future.add_done_callback(again)
-            return out
-        return self._start_move(rec, tier, by_prefetch=False)
+        move.future.add_done_callback(again)
+        return out
 
     def _start_move(self, rec: KeyRecord, tier: Tier, *, by_prefetch: bool) -> Future:
         assert rec.move is None and rec.tier is not None and rec.tier != tier
@@ -369,9 +379,9 @@ class TieredStore:
         done = Handle()
         try:
             io = self._swap.write(rec.key, staging.array, rec.nbytes, rec.dtype, rec.shape)
-        except BaseException:
+        except BaseException as e:
             self._free(Tier.HOST, staging)
-            self._undo_put(rec, old)
+            self._undo_put(rec, old, e)
             raise
 
         def landed(h: Handle) -> None:
@@ -569,14 +579,16 @@ class TieredStore:
             return None
         return old.buffer, old.state
 
-    def _undo_put(self, rec: KeyRecord, old: KeyRecord | None) -> None:
+    def _undo_put(self, rec: KeyRecord, old: KeyRecord | None, error: BaseException) -> None:
+        """A put failed before its bytes were in place: the old record (or none) comes back."""
         with self._cond:
             if old is None:
                 self._records.pop(rec.key, None)
             else:
                 self._records[rec.key] = old
-            rec.move = None
+            move, rec.move = rec.move, None
             self._cond.notify_all()
+        move.future.set_exception(error)  # fetches that chained on the failed put see why
 
     def _fill(self, buf: Buffer, tensor: torch.Tensor) -> None:
         """Copy a caller's tensor in (any device); lock not held."""

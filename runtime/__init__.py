@@ -1,5 +1,6 @@
-"""outcore's ZeRO engine (SPEC.md §2). Not built yet: only the shared I/O settings live here so far."""
+"""outcore's ZeRO engine (SPEC.md §2)."""
 
 from offload.io_config import IOConfig
+from runtime.config import Config
 
-__all__ = ["IOConfig"]
+__all__ = ["Config", "IOConfig"]

@@ -90,7 +90,8 @@ def _bench_disk(args: argparse.Namespace) -> int:
                 f"{v['fio_read_MBps']:,.0f}", f"{v['read_ratio']:.2f}", f"{v['read_ratio_paired']:.2f}"]
                for bs, v in res["by_block_size"].items()])
     else:
-        print("\n(fio is not on PATH: no reference figures)")
+        why = "--no-fio was given" if args.no_fio else "fio is not on PATH"
+        print(f"\n(no fio reference figures: {why})")
     if not res["cache_dropped"]:
         print("note: could not drop the global page cache (needs root); the file itself was evicted with fadvise")
     slots = human_bytes(res["largest_host_buffers_bytes"])

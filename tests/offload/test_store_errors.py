@@ -116,3 +116,12 @@ def test_misuse_gets_clear_errors(make_store):
     with pytest.raises(ValueError, match="release it before fetching it to DEVICE"):
         store.fetch("k", Tier.DEVICE)
     store.release("k")
+
+
+def test_a_failed_put_keeps_the_old_value(make_store):
+    store = make_store(host_budget=64 << 10)
+    store.put("k", torch.ones(100), Tier.NVME).wait()
+    with pytest.raises(OutOfBudgetError):
+        store.put("k", torch.zeros(100_000), Tier.NVME)  # its staging copy cannot fit
+    assert torch.equal(store.fetch("k", Tier.HOST).result(), torch.ones(100))
+    store.release("k")

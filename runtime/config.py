@@ -1,0 +1,207 @@
+"""The engine's configuration: one validated dataclass, read from code, a file or a DeepSpeed config.
+
+User mistakes raise `ValueError` naming the key and what to do; settings that are read but ignored
+(from a DeepSpeed config) are warned about once each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload.io_config import IOConfig
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Config:
+    """How the engine shards, where states rest, and how it computes. See SPEC.md §2.
+
+    stage:             1 shards optimizer states; 2 adds gradients; 3 adds parameters.
+    offload_params:    where parameter shards rest between uses (stage 3 only).
+    offload_optimizer: where fp32 master weights and Adam moments rest.
+    nvme_dir:          directory for the per-rank swap files (needed when anything is on "nvme").
+    dtype:             compute dtype; fp16 uses dynamic loss scaling.
+    prefetch_depth:    fetch units prefetched ahead of use.
+    device_budget, host_budget: bytes; None derives them from the machine.
+    unit_classes:      module class names that form fetch units (empty: the repeated blocks).
+    optimizer:         AdamW keyword arguments used when the Engine is given no optimizer.
+    """
+
+    stage: int = 3
+    offload_params: str = "none"
+    offload_optimizer: str = "none"
+    nvme_dir: str | None = None
+    dtype: str = "fp32"
+    prefetch_depth: int = 2
+    device_budget: int | None = None
+    host_budget: int | None = None
+    grad_accumulation: int = 1
+    grad_clip: float | None = 1.0
+    io: IOConfig = field(default_factory=IOConfig)
+    unit_classes: tuple[str, ...] = ()
+    optimizer: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.io, dict):
+            self.io = _build(IOConfig, self.io, "io")
+        self.unit_classes = tuple(self.unit_classes)
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage={self.stage!r}: use 1, 2 or 3.")
+        for key in ("offload_params", "offload_optimizer"):
+            if getattr(self, key) not in OFFLOAD_CHOICES:
+                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {', '.join(OFFLOAD_CHOICES)}.")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1 and 2 keep whole "
+                             "parameters on every rank); set stage=3 or offload_params='none'.")
+        if "nvme" in (self.offload_params, self.offload_optimizer) and not self.nvme_dir:
+            raise ValueError("nvme_dir is required when offload_params or offload_optimizer is 'nvme'.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be >= 0.")
+        if self.grad_accumulation < 1:
+            raise ValueError(f"grad_accumulation={self.grad_accumulation}: must be >= 1.")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip={self.grad_clip}: must be > 0, or None for no clipping.")
+        for key in ("device_budget", "host_budget"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
+        unknown = set(self.optimizer) - {"lr", "betas", "eps", "weight_decay"}
+        if unknown:
+            raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; AdamW takes lr, betas, eps, weight_decay.")
+
+    # -- readers ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return _build(cls, data, "config")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Config:
+        """Read a .json, .yaml/.yml or .toml file holding the fields of `Config`."""
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".json", ".yaml", ".yml", ".toml"):
+            raise ValueError(f"config {path!r}: use a .json, .yaml, .yml or .toml file.")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read config {path!r}: {e.strerror}") from e
+        try:
+            if ext == ".json":
+                data = json.loads(raw)
+            elif ext == ".toml":
+                data = tomllib.loads(raw.decode())
+            else:
+                import yaml
+
+                data = yaml.safe_load(raw)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config {path!r} does not parse: {e}") from e
+        except Exception as e:
+            if type(e).__module__.startswith("yaml"):
+                raise ValueError(f"config {path!r} does not parse: {e}") from e
+            raise
+        if not isinstance(data, dict):
+            raise ValueError(f"config {path!r} must hold a mapping of settings.")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["unit_classes"] = list(self.unit_classes)
+        return d
+
+    def to_file(self, path: str | os.PathLike) -> None:
+        """Write as JSON (what `outcore tune` emits); `from_file` reads it back unchanged."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def from_deepspeed(cls, ds: dict[str, Any]) -> Config:
+        """Translate a DeepSpeed ds_config; every key read but not used is warned about once."""
+        return cls.from_dict(_translate_deepspeed(ds))
+
+
+def _build(cls, data: dict[str, Any], what: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}") from e
+
+
+def _translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    io: dict[str, Any] = {}
+
+    def ignored(key: str) -> None:
+        log.warning("from_deepspeed: %s is not used by outcore and was ignored", key)
+
+    def given(v: Any) -> bool:
+        return v is not None and v != "auto"
+
+    for key, value in ds.items():
+        if key == "zero_optimization":
+            z = value or {}
+            if given(z.get("stage")):
+                out["stage"] = int(z["stage"])
+            for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
+                o = z.get(ds_key)
+                if not o:
+                    continue
+                out[ours] = o.get("device", "none")
+                if o.get("nvme_path"):
+                    out["nvme_dir"] = o["nvme_path"]
+                for sub in sorted(set(o) - {"device", "nvme_path"}):
+                    ignored(f"zero_optimization.{ds_key}.{sub}")
+            for sub in sorted(set(z) - {"stage", "offload_param", "offload_optimizer"}):
+                ignored(f"zero_optimization.{sub}")
+        elif key == "aio":
+            for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
+                                 ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
+                if given(value.get(ds_key)):
+                    io[ours] = int(value[ds_key])
+            for sub in sorted(set(value) - {"block_size", "queue_depth", "intra_op_parallelism", "thread_count"}):
+                ignored(f"aio.{sub}")
+        elif key in ("bf16", "fp16"):
+            if value.get("enabled") and value.get("enabled") != "auto":
+                out["dtype"] = key
+            for sub in sorted(set(value) - {"enabled"}):
+                ignored(f"{key}.{sub}")
+        elif key == "gradient_clipping":
+            if given(value):
+                out["grad_clip"] = float(value) if float(value) > 0 else None
+        elif key == "gradient_accumulation_steps":
+            if given(value):
+                out["grad_accumulation"] = int(value)
+        elif key == "optimizer":
+            kind = str(value.get("type", "AdamW")).lower()
+            if kind not in ("adamw", "adam"):
+                raise ValueError(f"optimizer.type={value.get('type')!r}: outcore provides AdamW only.")
+            params = value.get("params", {})
+            opt = {k: params[k] for k in ("lr", "eps", "weight_decay") if given(params.get(k))}
+            if given(params.get("betas")):
+                opt["betas"] = tuple(params["betas"])
+            for sub in sorted(set(params) - {"lr", "betas", "eps", "weight_decay"}):
+                ignored(f"optimizer.params.{sub}")
+            out["optimizer"] = opt
+        else:
+            ignored(key)
+    if io:
+        out["io"] = io
+    return out

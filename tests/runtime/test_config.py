@@ -1,0 +1,95 @@
+import json
+import logging
+
+import pytest
+
+import runtime
+from runtime.config import Config
+
+
+def test_defaults_validate_and_io_dicts_become_ioconfig():
+    c = Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir="/tmp/x",
+               io={"block_size": 1 << 20, "threads": 8})
+    assert isinstance(c.io, runtime.IOConfig) and c.io.threads == 8
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage": 4}, "stage=4"),
+    ({"stage": 2, "offload_params": "cpu"}, "needs stage=3"),
+    ({"offload_optimizer": "nvme"}, "nvme_dir is required"),
+    ({"offload_params": "disk"}, "offload_params='disk'"),
+    ({"dtype": "int8"}, "dtype='int8'"),
+    ({"grad_accumulation": 0}, "grad_accumulation"),
+    ({"grad_clip": -1.0}, "grad_clip"),
+    ({"io": {"block_size": 1000}}, "multiple of 4096"),
+    ({"io": {"blocksize": 4096}}, "io: unknown key"),
+    ({"optimizer": {"momentum": 0.9}}, "momentum"),
+])
+def test_mistakes_name_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("ext, text", [
+    (".json", json.dumps({"stage": 2, "offload_optimizer": "cpu", "dtype": "bf16", "io": {"threads": 2}})),
+    (".yaml", "stage: 2\noffload_optimizer: cpu\ndtype: bf16\nio:\n  threads: 2\n"),
+    (".toml", 'stage = 2\noffload_optimizer = "cpu"\ndtype = "bf16"\n[io]\nthreads = 2\n'),
+])
+def test_from_file_reads_json_yaml_toml(tmp_path, ext, text):
+    p = tmp_path / f"run{ext}"
+    p.write_text(text)
+    c = Config.from_file(p)
+    assert (c.stage, c.offload_optimizer, c.dtype, c.io.threads) == (2, "cpu", "bf16", 2)
+
+
+def test_from_file_rejects_unknown_keys_and_bad_files(tmp_path):
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps({"stage": 3, "prefetch": 2}))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['prefetch'\]"):
+        Config.from_file(p)
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="does not parse"):
+        Config.from_file(p)
+    with pytest.raises(ValueError, match="cannot read"):
+        Config.from_file(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match=".toml"):
+        Config.from_file(tmp_path / "run.ini")
+
+
+def test_to_file_round_trips(tmp_path):
+    c = Config(stage=3, offload_params="nvme", offload_optimizer="cpu", nvme_dir=str(tmp_path), dtype="fp16",
+               unit_classes=("Block",), io={"block_size": 8 << 20, "queue_depth": 16}, grad_clip=None)
+    c.to_file(tmp_path / "c.json")
+    assert Config.from_file(tmp_path / "c.json") == c
+
+
+def test_from_deepspeed_translates_and_warns_once_per_ignored_key(caplog):
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 8,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                   "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True,
+                              "offload_param": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": True},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+        "aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 4, "single_submit": False},
+    }
+    with caplog.at_level(logging.WARNING):
+        c = Config.from_deepspeed(ds)
+    assert (c.stage, c.offload_params, c.offload_optimizer, c.nvme_dir) == (3, "nvme", "nvme", "/nvme")
+    assert (c.dtype, c.grad_clip, c.grad_accumulation) == ("bf16", 1.0, 8)
+    assert (c.io.block_size, c.io.queue_depth, c.io.threads) == (1 << 20, 16, 4)
+    assert c.optimizer == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    warned = [r.message for r in caplog.records]
+    for key in ("train_micro_batch_size_per_gpu", "zero_optimization.overlap_comm",
+                "zero_optimization.offload_param.pin_memory", "aio.single_submit", "optimizer.params.torch_adam"):
+        assert sum(key in m for m in warned) == 1, key
+
+
+def test_from_deepspeed_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="AdamW only"):
+        Config.from_deepspeed({"optimizer": {"type": "Lamb"}})
+    with pytest.raises(ValueError, match="needs stage=3"):
+        Config.from_deepspeed({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
