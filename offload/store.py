@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import Counter, deque
@@ -28,7 +29,7 @@ from offload.buffers import Buffer, HostBuffer
 from offload.device_memory import CudaMemory
 from offload.errors import OutOfBudgetError, StorageError
 from offload.handle import Handle
-from offload.io_config import IOConfig
+from offload.io_config import IOConfig, round_up
 from offload.residency import MOVING, STABLE, TIER_OF, KeyRecord, Move, Residency, Tier
 from offload.swap_file import SwapFile
 
@@ -78,6 +79,9 @@ class TieredStore:
         self._records: dict[str, KeyRecord] = {}
         self._cond = threading.Condition(threading.RLock())
         self._movers = ThreadPoolExecutor(max(4, self.io.threads), thread_name_prefix="outcore-move")
+        self._write_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="outcore-writer", daemon=True)
+        self._writer.start()
         self._clock = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._freeing = {Tier.HOST: 0, Tier.DEVICE: 0}  # bytes of write-backs in flight, per tier
@@ -177,7 +181,11 @@ class TieredStore:
                 return Handle.completed()
             if to == Tier.HOST:
                 return _handle_of(self._start_move(rec, Tier.HOST, by_prefetch=False))
-            return self._evict_record(rec, demote=False)
+            staging = None
+            if rec.dirty and not isinstance(rec.buffer, HostBuffer):  # CUDA: stage through HOST
+                staging = self._reserve(Tier.HOST, rec.nbytes, rec)
+                rec = self._settled(key, must_exist=True)  # the wait let others in
+            return self._evict_record(rec, demote=False, staging=staging)
 
     def flush(self) -> None:
         """Wait until every write issued so far has landed, make them durable, write the index."""
@@ -233,6 +241,8 @@ class TieredStore:
                 self._closed = True
                 self._prefetch_queue.clear()
             self._movers.shutdown(wait=True)
+            self._write_queue.put(None)
+            self._writer.join()
             self._engine.close()
             self._swap.close(remove=not keep_files)
             self._host.close()
@@ -405,40 +415,53 @@ class TieredStore:
         io.add_done_callback(landed)
         return done
 
-    def _evict_record(self, rec: KeyRecord, *, demote: bool) -> Handle:
-        """Move a released, resident key out of memory. `demote`: DEVICE -> HOST when that is free."""
+    def _evict_record(self, rec: KeyRecord, *, demote: bool, staging: HostBuffer | None = None) -> Handle | None:
+        """Move a released, resident key out of memory; None if it cannot start without waiting.
+
+        `demote`: DEVICE -> HOST when that costs nothing (CPU-only). A dirty CUDA buffer needs a
+        HOST staging buffer: the caller's `staging`, or one free right now.
+        [Note: no I/O under the lock] Write-backs are queued to the writer thread, never issued
+        here: a thread holding the store lock must never wait for an I/O slot, because I/O
+        completions take the lock to land.
+        """
         tier = rec.tier
         assert rec.pins == 0 and rec.move is None and tier in (Tier.HOST, Tier.DEVICE)
-        self._counts["evictions"] += 1
         if demote and tier == Tier.DEVICE and self._zero_copy and self._hand_over(rec, Tier.HOST):
+            self._counts["evictions"] += 1
             return Handle.completed()
         if not rec.dirty:
+            self._counts["evictions"] += 1
             self._free(tier, rec.buffer)
             rec.buffer = None
             rec.to(Residency.NVME)
             self._cond.notify_all()
             return Handle.completed()
+        if not isinstance(rec.buffer, HostBuffer) and staging is None:
+            staging = self._host.try_acquire(rec.nbytes)
+            if staging is None:
+                return None
+        self._counts["evictions"] += 1
         self._counts["writebacks"] += 1
         move = rec.move = Move(rec.state, Tier.NVME)
         rec.to(Residency.TO_NVME)
         self._freeing[tier] += rec.buffer.capacity
-        if isinstance(rec.buffer, HostBuffer):
-            self._submit_writeback(rec, move, tier, rec.buffer, staging=None)
-        else:  # CUDA: copy down to a pinned staging buffer first, on a mover thread
-            self._movers.submit(self._stage_writeback, rec, move, tier)
+        self._write_queue.put((rec, move, tier, rec.buffer, staging))
         done = _handle_of(move.future)
         self._writes.add(done)
         return done
 
-    def _stage_writeback(self, rec: KeyRecord, move: Move, tier: Tier) -> None:
-        try:
-            staging = self._reserve(Tier.HOST, rec.nbytes, rec, move)
-            self._dev.to_host(rec.buffer, staging, rec.nbytes)
-        except BaseException as e:  # noqa: BLE001
-            self._writeback_failed(rec, move, tier, e)
-            return
-        with self._cond:
-            self._submit_writeback(rec, move, tier, rec.buffer, staging=staging)
+    def _write_loop(self) -> None:
+        """The writer thread: issues write-backs in order; see [Note: no I/O under the lock]."""
+        while (job := self._write_queue.get()) is not None:
+            rec, move, tier, buf, staging = job
+            if staging is not None:
+                try:
+                    self._dev.to_host(buf, staging, rec.nbytes)  # CUDA: down to pinned memory first
+                except BaseException as e:  # noqa: BLE001
+                    self._free(Tier.HOST, staging)
+                    self._writeback_failed(rec, move, tier, e)
+                    continue
+            self._submit_writeback(rec, move, tier, buf, staging)
 
     def _submit_writeback(self, rec: KeyRecord, move: Move, tier: Tier, buf: Buffer,
                           staging: HostBuffer | None) -> None:
@@ -512,15 +535,15 @@ class TieredStore:
 
     def _evict_for(self, tier: Tier, nbytes: int, exclude: KeyRecord) -> bool:
         """Start evicting the least recently used released key of `tier`; False if none can help."""
-        if self._mem[tier].available() + self._freeing[tier] >= nbytes:
+        if self._mem[tier].available() + self._freeing[tier] >= round_up(max(nbytes, 1)):
             return False  # enough is already on its way out
         state = STABLE[tier]
         victims = [r for r in self._records.values()
                    if r.state == state and r.pins == 0 and r.move is None and r is not exclude]
-        if not victims:
-            return False
-        self._evict_record(min(victims, key=lambda r: r.last_use), demote=True)
-        return True
+        for victim in sorted(victims, key=lambda r: r.last_use):
+            if self._evict_record(victim, demote=True) is not None:
+                return True
+        return False
 
     def _free(self, tier: Tier, buf: Buffer) -> None:
         with self._cond:
