@@ -305,7 +305,7 @@ class TieredStore:
     def _hand_over(self, rec: KeyRecord, tier: Tier) -> bool:
         """CPU-only HOST <-> DEVICE: move the buffer's accounting, not its bytes."""
         src, dst = self._mem[rec.tier], self._mem[tier]
-        if not dst.try_adopt(rec.buffer):
+        if rec.buffer.capacity > dst.budget or not dst.try_adopt(rec.buffer):
             return False
         src.detach(rec.buffer)
         rec.to(STABLE[tier])

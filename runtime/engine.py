@@ -1,0 +1,322 @@
+"""`runtime.Engine`: trains an ordinary nn.Module with ZeRO-sharded states paged through the store.
+
+The composition, in order: plan units → lay out flat shards → size the store → materialize and
+shard each unit → wire hooks. A training step is then the model's forward, `backward`, `step`:
+
+forward   each unit is gathered in its pre-hook (prefetched from the recorded order) and, under
+          ZeRO-3, released in its post-hook;
+backward  a unit is gathered again when the gradient of its output arrives; when its own flat
+          gradient is complete it is reduced to this rank's fp32 shard and released;
+step      the global grad norm (clipping) and fp16 overflow are reduced across ranks, then each
+          unit's [master|m|v] streams through the work tier: read → fused AdamW → write back.
+          With no clipping and no fp16, each unit's update already ran during backward, on the
+          optimizer thread, as soon as its gradient was final.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import psutil
+import torch
+from torch import nn
+
+from offload import Tier, TieredStore
+from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatter
+from runtime.config import Config
+from runtime.flat_unit import FlatUnit, Layout, UnitState
+from runtime.hooks import register_grad_hook, register_unit_hooks
+from runtime.loss_scale import LossScaler
+from runtime.materialize import materialize_unit
+from runtime.optimizer import AdamW, Placement, initial_state, update_unit
+from runtime.trace import Trace
+from runtime.units import plan_units
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def placement(config: Config) -> Placement:
+    opt_tier = TIER_OF_OFFLOAD[config.offload_optimizer]
+    return Placement(param_tier=TIER_OF_OFFLOAD[config.offload_params], opt_tier=opt_tier,
+                     work_tier=Tier.DEVICE if opt_tier == Tier.DEVICE else Tier.HOST)
+
+
+class Engine:
+    """Wraps `model` for training; see SPEC.md §2 for the public contract."""
+
+    def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
+                 device: str | torch.device | None = None, init_fn=None, seed: int = 0) -> None:
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.group: Group = init_group(self.device)
+        self.dtype = DTYPES[config.dtype]
+        self.hp = optimizer or AdamW(**config.optimizer)
+        self.lr = self.hp.lr
+        self.model = model
+        self.place = placement(config)
+        self.scaler = LossScaler(config.dtype == "fp16")
+        self.trace = Trace(config.prefetch_depth)
+        self.phase = Phase.IDLE
+        self.global_step = 0
+        self._micro = 0  # micro-steps since the last update
+        self._have_grad: set[int] = set()
+        self._sqnorm: dict[int, float] = {}
+        self._overflow = False
+        self._pending_updates: list[Future] = []
+        self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
+        self._opt_wait = 0.0
+        self._state_dict_keys = list(model.state_dict(keep_vars=True).keys())
+
+        plans = plan_units(model, config.unit_classes)
+        if not plans:
+            raise ValueError(f"{type(model).__name__} has no parameters to train.")
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        layouts = [Layout.of(p, self.group.world, elem) for p in plans]
+        self._owned_dir = None
+        nvme_dir = config.nvme_dir
+        if nvme_dir is None:  # nothing rests on NVMe; the store still wants a scratch directory
+            nvme_dir = self._owned_dir = tempfile.mkdtemp(prefix="outcore-")
+        device_budget, host_budget = self._budgets(layouts, elem)
+        self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
+                                 prefetch_bytes=max(lay.shard for lay in layouts) * elem
+                                 * max(1, config.prefetch_depth))
+        resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
+        self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident)
+                      for p, lay in zip(plans, layouts, strict=True)]
+        in_units = {m for u in self.units if u.plan.module is not model for m in u.plan.module.modules()}
+        for unit in self.units:
+            materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed)
+            self._shard(unit)
+        self._move_buffers()
+        self._hooks = []
+        root = self.units[-1] if self.units[-1].plan.module is model else None
+        for unit in self.units:
+            self._hooks += register_unit_hooks(self, unit, is_root=unit is root)
+            self._hooks.append(register_grad_hook(self, unit))
+
+    # -- the training loop's API ------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        self.phase = Phase.FORWARD
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.phase = Phase.IDLE
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss; gradients land, reduced, in their shards."""
+        self.phase = Phase.BACKWARD
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        finally:
+            self.phase = Phase.IDLE
+        for u in self.units:  # units that produced no gradient this time (unused) still let go
+            if u.state is UnitState.UNSHARDED and not u.resident:
+                u.reshard()
+        self._micro += 1
+        self.trace.end_step()
+
+    def step(self) -> dict:
+        """Apply the update at the end of an accumulation window; a no-op before it."""
+        if self._micro < self.config.grad_accumulation:
+            return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
+                    "accumulating": True}
+        self._wait_updates()
+        norm, coef, overflow = self._global_norm()
+        skipped = overflow
+        if not skipped:
+            self.global_step += 1
+            if not self._overlapped():
+                self._run_updates(coef)
+            for u in self.units:
+                if u.resident and u.index in self._have_grad:
+                    u.refresh_resident()
+        self.scaler.update(overflow)
+        stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": skipped, "lr": self.lr,
+                 "accumulating": False}
+        self._micro = 0
+        self._have_grad.clear()
+        self._sqnorm.clear()
+        self._overflow = False
+        return stats
+
+    def stats(self) -> dict:
+        s = self.store.stats()
+        fetches = max(1, s["fetches"])
+        s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
+                 optimizer_wait_seconds=self._opt_wait, units=len(self.units), step=self.global_step,
+                 trace_divergences=self.trace.divergences)
+        return s
+
+    def close(self) -> None:
+        self._wait_updates()
+        self._optimizer_thread.shutdown()
+        for h in self._hooks:
+            h.remove()
+        self.store.close()
+        if self._owned_dir:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
+
+    def unit_forward_start(self, unit: FlatUnit) -> None:
+        if self.phase is Phase.FORWARD:
+            self._prefetch(self.trace.visit("forward", unit.index))
+        unit.unshard()
+        unit.bind_views()
+
+    def unit_forward_end(self, unit: FlatUnit) -> None:
+        if self.phase is Phase.FORWARD and not unit.resident:
+            unit.reshard()  # ZeRO-3: the full parameters exist only while the unit runs
+
+    def unit_backward_start(self, unit: FlatUnit) -> None:
+        self._prefetch(self.trace.visit("backward", unit.index))
+        unit.unshard()
+
+    def unit_grad_ready(self, unit: FlatUnit) -> None:
+        """The unit's flat gradient is complete: reduce to this rank's fp32 shard and accumulate."""
+        grad = unit.flat.grad
+        unit.flat.grad = None
+        world, accum = self.group.world, self.config.grad_accumulation
+        with torch.no_grad():
+            full = grad if grad.dtype == torch.float32 else grad.float()
+            shard = reduce_scatter(full, self.group)
+            shard.mul_(1.0 / (world * accum * self.scaler.scale))
+            if unit.index not in self._have_grad:
+                self.store.put(unit.grad_key, shard, self.place.work_tier)
+                self._have_grad.add(unit.index)
+                acc = shard
+            else:
+                acc = self.store.fetch(unit.grad_key, self.place.work_tier).result()
+                acc.add_(shard)
+            last = self._micro + 1 == accum
+            if last:
+                self._sqnorm[unit.index] = float(acc.double().square().sum())
+                if self.scaler.enabled and not math.isfinite(self._sqnorm[unit.index]):
+                    self._overflow = True
+            if acc is not shard:
+                self.store.release(unit.grad_key, dirty=True)
+        del grad, full, shard, acc
+        if not unit.resident and unit.state is UnitState.UNSHARDED:
+            unit.reshard()
+        if last and self._overlapped():
+            self._pending_updates.append(self._optimizer_thread.submit(self._update, unit, 1.0))
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _prefetch(self, unit_indices: list[int]) -> None:
+        """Start bringing the parameter shards of the units expected next onto the device."""
+        keys = [self.units[i].param_key for i in unit_indices
+                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
+        if keys:
+            self.store.prefetch(keys, Tier.DEVICE)
+
+    def _overlapped(self) -> bool:
+        """Updates may run during backward: nothing needs every gradient first."""
+        return self.config.grad_clip is None and not self.scaler.enabled
+
+    def _update(self, unit: FlatUnit, coef: float) -> None:
+        t0 = time.perf_counter()
+        update_unit(unit, self.store, self.place, self.hp, lr=self.lr, step=self.global_step + 1, grad_scale=coef)
+        self._opt_wait += time.perf_counter() - t0
+
+    def _run_updates(self, coef: float) -> None:
+        order = [u for u in self.units if u.index in self._have_grad]
+        depth = max(1, self.config.prefetch_depth)
+        for i, unit in enumerate(order):
+            ahead = order[i + 1 : i + 1 + depth]
+            self.store.prefetch([k for u in ahead for k in (u.opt_key, u.grad_key)], self.place.work_tier)
+            update_unit(unit, self.store, self.place, self.hp, lr=self.lr, step=self.global_step, grad_scale=coef)
+
+    def _wait_updates(self) -> None:
+        for f in self._pending_updates:
+            f.result()
+        self._pending_updates.clear()
+
+    def _global_norm(self) -> tuple[float | None, float, bool]:
+        """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow."""
+        total = torch.tensor([sum(self._sqnorm.values()), float(self._overflow)], dtype=torch.float64)
+        all_reduce_sum(total, self.group)
+        overflow = bool(total[1] > 0) or not math.isfinite(float(total[0]))
+        norm = math.sqrt(float(total[0])) if not overflow else float("inf")
+        coef = 1.0
+        if self.config.grad_clip is not None and not overflow:
+            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        return norm, coef, overflow
+
+    def _shard(self, unit: FlatUnit) -> None:
+        """Flatten the unit's (materialized) parameters, keep this rank's shard, drop the originals."""
+        lay, rank = unit.layout, self.group.rank
+        flat32 = torch.zeros(lay.padded, dtype=torch.float32)
+        for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
+            module, name = slot.places[0]
+            flat32[off : off + slot.numel].copy_(module._parameters[name].detach().reshape(-1))
+        master = flat32[rank * lay.shard : (rank + 1) * lay.shard].clone()
+        del flat32
+        self.store.put(unit.opt_key, initial_state(master), self.place.opt_tier)
+        self.store.put(unit.param_key, master.to(self.dtype), self.place.param_tier)
+        for slot in unit.plan.slots:
+            for module, name in slot.places:
+                del module._parameters[name]  # the flat buffer's views take their place
+            slot.param = None
+        if unit.resident:
+            if self.group.world == 1 and self.place.param_tier == Tier.DEVICE:
+                unit.alias_shard()
+            else:
+                unit.unshard()
+            unit.bind_views()
+
+    def _move_buffers(self) -> None:
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[name] = buf.to(self.device)
+
+    def _budgets(self, layouts: list[Layout], elem: int) -> tuple[int, int]:
+        """Budgets from the config, or derived from the layout and the machine; checked against the
+        largest unit so that a budget too small fails here, with the number that would work."""
+        depth = max(1, self.config.prefetch_depth)
+        page = 4096
+        shards = [lay.shard for lay in layouts]
+        n_units, total, largest = len(shards), sum(shards), max(shards)
+        param_all = total * elem + n_units * page
+        state_all = total * 12 + n_units * page
+        grad_all = total * 4 + n_units * page
+        window = (depth + 2) * (largest * elem + page)
+        p = self.place
+        dev = param_all if p.param_tier == Tier.DEVICE else window
+        host = param_all if p.param_tier == Tier.HOST else 0
+        host_min = host + (largest * elem + page if p.param_tier == Tier.NVME else 0)
+        if p.work_tier == Tier.DEVICE:
+            dev += state_all + grad_all + largest * 16 + 2 * page  # + one key being replaced
+        else:
+            opt_window = (depth + 2) * (largest * 16 + 2 * page)
+            host += (state_all if p.opt_tier == Tier.HOST else opt_window) + grad_all + largest * 16 + 2 * page
+            host_min += (state_all if p.opt_tier == Tier.HOST else opt_window)
+        dev_min = dev if p.param_tier == Tier.DEVICE else 2 * (largest * elem + page)
+        if p.work_tier == Tier.DEVICE:
+            dev_min = dev
+        device_budget = self.config.device_budget or dev
+        host_budget = self.config.host_budget or max(host_min, min(host, psutil.virtual_memory().available // 2))
+        if device_budget < dev_min:
+            raise ValueError(f"device_budget={device_budget:,} bytes cannot hold what must stay on the device "
+                             f"({dev_min:,} bytes for this model and offload setting); raise it or offload more.")
+        if host_budget < host_min:
+            raise ValueError(f"host_budget={host_budget:,} bytes cannot hold the largest unit's working set "
+                             f"({host_min:,} bytes); raise it to at least that.")
+        return device_budget, max(host_budget, page)

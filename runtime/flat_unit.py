@@ -1,0 +1,137 @@
+"""One fetch unit at run time: its flat parameter buffer, its shard keys, its two states.
+
+[Note: unit states] SHARDED: only this rank's shard exists, in the store (key `param`); the flat
+buffer's storage has size 0. UNSHARDED: the flat buffer holds the whole unit (gathered from every
+rank's shard) and the modules' parameter attributes are views of it. `unshard()` and `reshard()`
+are the only transitions. A *resident* unit never reshards: stages 1 and 2 keep whole parameters,
+and a single rank whose parameters rest on DEVICE aliases the flat buffer to the stored shard
+itself, so nothing is copied.
+
+The flat buffer is one autograd leaf for the whole unit: its storage is freed and refilled in
+place (`untyped_storage().resize_`), so the views saved by autograd in forward are valid again
+once backward re-gathers the unit.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from offload import Tier, TieredStore
+from runtime.collectives import Group, all_gather_into
+from runtime.units import UnitPlan
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where each parameter sits in the unit's flat buffer, and how the buffer is split."""
+
+    offsets: tuple[int, ...]
+    numel: int  # real parameters
+    padded: int  # multiple of world x alignment
+    shard: int  # padded // world
+
+    @classmethod
+    def of(cls, plan: UnitPlan, world: int, elem_size: int) -> Layout:
+        offsets, n = [], 0
+        for s in plan.slots:
+            offsets.append(n)
+            n += s.numel
+        align = world * max(1, 4096 // elem_size)  # each shard a whole number of pages
+        padded = -(-max(n, 1) // align) * align
+        return cls(tuple(offsets), n, padded, padded // world)
+
+
+class FlatUnit:
+    """A unit's flat parameters and the store keys of its shard, optimizer state and gradient."""
+
+    def __init__(self, plan: UnitPlan, layout: Layout, dtype: torch.dtype, device: torch.device,
+                 group: Group, store: TieredStore, *, resident: bool) -> None:
+        self.plan = plan
+        self.index = plan.index
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.group = group
+        self.store = store
+        self.resident = resident
+        self.param_key = f"u{plan.index}.param"
+        self.opt_key = f"u{plan.index}.opt"
+        self.grad_key = f"u{plan.index}.grad"
+        self.state = UnitState.SHARDED
+        # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
+        self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
+        self.flat.untyped_storage().resize_(0)
+        self._aliased = False
+        self.wait_seconds = 0.0  # time spent waiting for the store
+
+    @property
+    def name(self) -> str:
+        return self.plan.name or "<root>"
+
+    def alias_shard(self) -> None:
+        """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good)."""
+        assert self.group.world == 1 and self.resident
+        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        self.flat = shard.detach().requires_grad_()
+        self._aliased = True
+        self.state = UnitState.UNSHARDED
+
+    def unshard(self) -> None:
+        """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
+        if self.state is UnitState.UNSHARDED:
+            return
+        storage = self.flat.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.layout.padded * self.flat.element_size())
+        t0 = time.perf_counter()
+        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        self.wait_seconds += time.perf_counter() - t0
+        try:
+            # Refilling is not a change autograd must see: the views it saved are meant to read
+            # these same values again in backward.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
+                all_gather_into(self.flat, shard, self.group)
+        finally:
+            self.store.release(self.param_key)
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters (allowed from UNSHARDED only; never for resident units)."""
+        assert self.state is UnitState.UNSHARDED and not self.resident, f"{self.name}: cannot reshard"
+        self.flat.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def bind_views(self) -> None:
+        """Point every module attribute of the unit's parameters at views of the flat buffer."""
+        assert self.state is UnitState.UNSHARDED
+        for slot, off in zip(self.plan.slots, self.layout.offsets, strict=True):
+            view = self.flat[off : off + slot.numel].view(slot.shape)
+            for module, name in slot.places:
+                setattr(module, name, view)
+
+    def refresh_resident(self) -> None:
+        """After an update: bring a resident unit's whole parameters up to date."""
+        assert self.resident
+        if self._aliased:
+            return  # the update wrote into the shard, which is the flat buffer
+        self.state = UnitState.SHARDED
+        self.unshard()
+
+    def full_values(self) -> torch.Tensor:
+        """The whole unit's parameters gathered into a new buffer (for state dicts and export)."""
+        full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
+        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        try:
+            all_gather_into(full, shard, self.group)
+        finally:
+            self.store.release(self.param_key)
+        return full

@@ -1,0 +1,83 @@
+"""AdamW on fp32 master shards, streamed unit by unit through the store.
+
+[Note: optimizer state] Each unit keeps `[master | exp_avg | exp_avg_sq]` (fp32, 3 x shard
+elements) under one key, so reading and writing a unit's state is one large sequential request
+each. The update is `torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`:
+bias correction and decoupled weight decay exactly as torch.optim.AdamW computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload import Tier, TieredStore
+from runtime.flat_unit import FlatUnit
+
+
+@dataclass
+class AdamW:
+    """Hyper-parameters of AdamW (the same defaults as torch.optim.AdamW)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
+            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {self.lr}, {self.eps}, "
+                             f"{self.weight_decay}).")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"AdamW: betas must lie in [0, 1) (got {self.betas}).")
+        self.betas = tuple(self.betas)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a unit's states rest and where its update runs."""
+
+    param_tier: Tier  # where parameter shards rest
+    opt_tier: Tier  # where [master|m|v] rests
+    work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
+
+
+def initial_state(master: torch.Tensor) -> torch.Tensor:
+    """[master | 0 | 0] for a new unit."""
+    state = torch.zeros(3 * master.numel(), dtype=torch.float32)
+    state[: master.numel()].copy_(master)
+    return state
+
+
+def update_unit(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW, *, lr: float, step: int,
+                grad_scale: float) -> None:
+    """Read the unit's state and gradient, update, write state and the new parameter shard back.
+
+    `grad_scale` multiplies the gradient first (the global-norm clip coefficient, 1.0 for none).
+    """
+    state = store.fetch(unit.opt_key, place.work_tier).result()
+    grad = store.fetch(unit.grad_key, place.work_tier).result()
+    try:
+        master, exp_avg, exp_avg_sq = state.chunk(3)
+        if grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
+        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=hp.betas[0],
+                            beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False,
+                            maximize=False)
+        write_param_shard(unit, store, place, master)
+    finally:
+        store.release(unit.grad_key)
+        store.release(unit.opt_key, dirty=True)
+    if place.opt_tier == Tier.NVME:
+        store.evict(unit.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next unit
+
+
+def write_param_shard(unit: FlatUnit, store: TieredStore, place: Placement, master: torch.Tensor) -> None:
+    """The compute-dtype parameter shard from the fp32 master shard."""
+    if unit._aliased:  # the stored shard is the live flat buffer: update it in place
+        with torch.no_grad():
+            unit.flat.copy_(master)
+        return
+    store.put(unit.param_key, master.to(unit.dtype), place.param_tier)
