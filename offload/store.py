@@ -169,6 +169,17 @@ class TieredStore:
             rec.last_use = next(self._clock)
             self._cond.notify_all()
 
+    def delete(self, key: str) -> None:
+        """Forget `key` and free its memory and swap space; it must not be pinned."""
+        with self._cond:
+            self._check_open()
+            rec = self._settled(key, must_exist=True)
+            if rec.buffer is not None:
+                self._free(rec.tier, rec.buffer)
+            del self._records[key]
+            self._swap.discard(key)
+            self._cond.notify_all()
+
     def evict(self, key: str, to: Tier = Tier.NVME) -> Handle:
         """Force `key` down to `to` (HOST or NVME), writing it back if dirty; it must not be pinned."""
         to = Tier(to)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from offload import Tier, TieredStore
+from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatter
 from runtime.config import Config
 from runtime.flat_unit import FlatUnit, Layout, UnitState
@@ -35,6 +36,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
 from runtime.optimizer import AdamW, Placement, initial_state, update_unit
+from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
 from runtime.units import plan_units
 
@@ -149,11 +151,24 @@ class Engine:
         self.scaler.update(overflow)
         stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": skipped, "lr": self.lr,
                  "accumulating": False}
-        self._micro = 0
-        self._have_grad.clear()
-        self._sqnorm.clear()
-        self._overflow = False
+        self._reset_accumulation()
         return stats
+
+    def save_checkpoint(self, directory: str, tag: str) -> str:
+        """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
+        return save_checkpoint(self, directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> dict:
+        """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest)."""
+        return load_checkpoint(self, directory, tag)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Keys and shapes of `model.state_dict()`, trained values, on CPU; every rank calls it."""
+        return full_state_dict(self)
+
+    def export(self, path: str) -> None:
+        """One consolidated safetensors file, streamed unit by unit; every rank calls it."""
+        export_safetensors(self, path)
 
     def stats(self) -> dict:
         s = self.store.stats()
@@ -226,13 +241,22 @@ class Engine:
         if keys:
             self.store.prefetch(keys, Tier.DEVICE)
 
+    def _reset_accumulation(self) -> None:
+        for u in self.units:  # gradients are spent (or abandoned): never write them back anywhere
+            if u.index in self._have_grad:
+                self.store.delete(u.grad_key)
+        self._micro = 0
+        self._have_grad.clear()
+        self._sqnorm.clear()
+        self._overflow = False
+
     def _overlapped(self) -> bool:
         """Updates may run during backward: nothing needs every gradient first."""
         return self.config.grad_clip is None and not self.scaler.enabled
 
     def _update(self, unit: FlatUnit, coef: float) -> None:
         t0 = time.perf_counter()
-        update_unit(unit, self.store, self.place, self.hp, lr=self.lr, step=self.global_step + 1, grad_scale=coef)
+        update_unit(unit, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
         self._opt_wait += time.perf_counter() - t0
 
     def _run_updates(self, coef: float) -> None:
@@ -241,7 +265,7 @@ class Engine:
         for i, unit in enumerate(order):
             ahead = order[i + 1 : i + 1 + depth]
             self.store.prefetch([k for u in ahead for k in (u.opt_key, u.grad_key)], self.place.work_tier)
-            update_unit(unit, self.store, self.place, self.hp, lr=self.lr, step=self.global_step, grad_scale=coef)
+            update_unit(unit, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:

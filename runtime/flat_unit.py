@@ -72,6 +72,7 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
         self.wait_seconds = 0.0  # time spent waiting for the store
+        self.opt_steps = 0  # optimizer updates this unit has taken (AdamW bias correction)
 
     @property
     def name(self) -> str:

@@ -50,7 +50,7 @@ def initial_state(master: torch.Tensor) -> torch.Tensor:
     return state
 
 
-def update_unit(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW, *, lr: float, step: int,
+def update_unit(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
                 grad_scale: float) -> None:
     """Read the unit's state and gradient, update, write state and the new parameter shard back.
 
@@ -62,7 +62,10 @@ def update_unit(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW,
         master, exp_avg, exp_avg_sq = state.chunk(3)
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
-        step_t = torch.tensor(float(step), dtype=torch.float32, device=master.device)
+        # Per-unit step count, as torch.optim keeps one per parameter: a unit that got no gradient
+        # in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
+        unit.opt_steps += 1
+        step_t = torch.tensor(float(unit.opt_steps), dtype=torch.float32, device=master.device)
         torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=hp.betas[0],
                             beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False,
                             maximize=False)

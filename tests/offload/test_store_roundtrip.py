@@ -111,3 +111,15 @@ def test_stats_count_bytes_and_io(make_store):
     assert s["bytes_written"] >= 40_000 and s["bytes_read"] >= 40_000 and s["io_busy_seconds"] > 0
     assert s["fetches"] == 1 and s["misses"] == 1
     store.release("a")
+
+
+def test_delete_frees_memory_and_swap_space(make_store):
+    store = make_store()
+    store.put("a", torch.randn(10_000), Tier.HOST)
+    store.put("b", torch.randn(10_000), Tier.NVME).wait()
+    store.delete("a")
+    store.delete("b")
+    s = store.stats()
+    assert s["keys"] == 0 and s["host"]["in_use"] == 0 and s["nvme"]["bytes"] == 0
+    with pytest.raises(KeyError):
+        store.fetch("a")

@@ -12,7 +12,9 @@ class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        # no in-projection bias: the key bias has an exactly-zero gradient, whose rounding noise
+        # AdamW would amplify into different (but equally meaningless) values on either side
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Sharded, checksummed, atomic checkpoints (SPEC.md §4).
+
+    <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per unit (fp32)
+    <dir>/<tag>/meta.json             config, world size, step, unit layout, crc32 of every rank file
+    <dir>/latest                      the newest complete tag
+
+Every rank writes into `<dir>/.<tag>.tmp/`, streaming one unit at a time from wherever its state
+rests (NVMe included). Rank 0 then writes meta.json and renames the folder into place, and only
+after that updates `latest`: a crash at any instant leaves the previous checkpoint whole.
+Loading checks the layout and each file's crc32 before reading a byte into the engine, and reads
+with safetensors (no unpickling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from offload import StorageCorruptError
+from runtime.optimizer import write_param_shard
+from runtime.safetensors_stream import SafetensorsWriter, file_crc32
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+
+FORMAT = 1
+
+
+def _barrier(engine: Engine) -> None:
+    if engine.group.world > 1:
+        dist.barrier()
+
+
+def _gather(engine: Engine, value):
+    if engine.group.world == 1:
+        return [value]
+    out = [None] * engine.group.world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _layout(engine: Engine) -> list[dict]:
+    return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard}
+            for u in engine.units]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
+    """Write the engine's training state under `directory/tag`; every rank calls it."""
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
+    engine._wait_updates()
+    final = os.path.join(directory, tag)
+    tmp = os.path.join(directory, f".{tag}.tmp")
+    if engine.group.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(engine)
+    name = f"rank{engine.group.rank}.safetensors"
+    path = os.path.join(tmp, name)
+    store, place = engine.store, engine.place
+    writer = SafetensorsWriter(path, [(u.opt_key, torch.float32, (3 * u.layout.shard,)) for u in engine.units])
+    for u in engine.units:
+        state = store.fetch(u.opt_key, place.work_tier).result()
+        try:
+            writer.write(u.opt_key, state)
+        finally:
+            store.release(u.opt_key)
+    writer.close()
+    crcs = _gather(engine, (name, f"{file_crc32(path):08x}"))
+    if engine.group.rank == 0:
+        meta = {"format": FORMAT, "tag": tag, "step": engine.global_step, "world_size": engine.group.world,
+                "lr": engine.lr, "loss_scale": engine.scaler.state_dict(), "config": engine.config.to_dict(),
+                "units": _layout(engine), "unit_steps": [u.opt_steps for u in engine.units], "files": dict(crcs)}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = os.path.join(directory, f".{tag}.old")
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        latest_tmp = os.path.join(directory, ".latest.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(directory, "latest"))
+        _fsync_dir(directory)
+    _barrier(engine)
+    return final
+
+
+def resolve_tag(directory: str, tag: str | None) -> str:
+    if tag is not None:
+        return tag
+    latest = os.path.join(directory, "latest")
+    try:
+        with open(latest) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; pass tag= explicitly.") from e
+
+
+def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> dict:
+    """Restore a checkpoint written by `save_checkpoint` exactly; every rank calls it."""
+    engine._wait_updates()
+    tag = resolve_tag(directory, tag)
+    folder = os.path.join(directory, tag)
+    meta_path = os.path.join(folder, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except OSError as e:
+        raise ValueError(f"checkpoint {folder!r} has no readable meta.json ({e.strerror}).") from e
+    except json.JSONDecodeError as e:
+        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+    if meta.get("world_size") != engine.group.world:
+        raise ValueError(f"checkpoint {folder!r} was written by {meta.get('world_size')} ranks, this run has "
+                         f"{engine.group.world}; resume with the same world size.")
+    if meta.get("units") != _layout(engine):
+        raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
+                         "(unit layout differs); build the same model with the same unit_classes.")
+    name = f"rank{engine.group.rank}.safetensors"
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint file {path!r} is missing.")
+    if f"{file_crc32(path):08x}" != meta["files"].get(name):
+        raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
+    store, place = engine.store, engine.place
+    with safe_open(path, framework="pt") as f:
+        for u in engine.units:
+            state = f.get_tensor(u.opt_key)
+            store.put(u.opt_key, state, place.opt_tier)
+            write_param_shard(u, store, place, state[: u.layout.shard])
+            if u.resident:
+                u.refresh_resident()
+    for u, steps in zip(engine.units, meta["unit_steps"], strict=True):
+        u.opt_steps = int(steps)
+    engine.global_step = int(meta["step"])
+    engine.lr = float(meta["lr"])
+    engine.scaler.load_state_dict(meta["loss_scale"])
+    engine._reset_accumulation()
+    return meta

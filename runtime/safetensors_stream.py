@@ -1,0 +1,70 @@
+"""Write a safetensors file tensor by tensor, in bounded memory (the library wants them all at once).
+
+The header is known up front from names, dtypes and shapes; each tensor is then written at its own
+offset, in any order. The format: an 8-byte little-endian header length, the JSON header (padded
+with spaces to a multiple of 8), then the raw little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+
+import torch
+
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+class SafetensorsWriter:
+    """Create `path` for the given (name, dtype, shape) entries; fill it with `write`; `close`."""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        self._spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in ST_DTYPES:
+                raise ValueError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._spans[name] = (offset, nbytes, dtype, tuple(shape))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._data_start = 8 + len(raw)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(self._fd, self._data_start + offset)
+        self._written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        off, nbytes, dtype, shape = self._spans[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: expected {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(self._fd, memoryview(data)[done:], self._data_start + off + done)
+        self._written.add(name)
+
+    def close(self) -> None:
+        """fsync and close; every entry must have been written."""
+        missing = set(self._spans) - self._written
+        os.fsync(self._fd)
+        os.close(self._fd)
+        if missing:
+            raise ValueError(f"{self.path}: tensors never written: {sorted(missing)[:5]}")
+
+
+def file_crc32(path: str, chunk: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc

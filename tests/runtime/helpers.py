@@ -1,0 +1,55 @@
+"""Train the same model with plain PyTorch and with the engine, for parity checks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import runtime
+
+HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def train_plain(model, data, *, clip=None, accum=1):
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    losses = []
+    for i in range(0, len(data), accum):
+        opt.zero_grad()
+        total = 0.0
+        for x, y in data[i : i + accum]:
+            loss = model(x, y)
+            (loss / accum).backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total / accum)
+    return losses
+
+
+def train_engine(model, config, data, *, accum=1, engine=None):
+    engine = engine or runtime.Engine(model, config, runtime.AdamW(**HP))
+    losses = []
+    for i in range(0, len(data), accum):
+        total = 0.0
+        for x, y in data[i : i + accum]:
+            loss = engine(x, y)
+            engine.backward(loss)
+            total += loss.item()
+            stats = engine.step()
+        assert not stats["accumulating"]
+        losses.append(total / accum)
+    return losses, engine
+
+
+def twins(factory):
+    torch.manual_seed(0)
+    model = factory()
+    return model, copy.deepcopy(model)
+
+
+def assert_losses_match(ours, ref, rel=1e-5):
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert abs(a - b) <= rel * abs(b), f"step {i}: engine {a} vs PyTorch {b}"
