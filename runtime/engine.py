@@ -119,6 +119,13 @@ class Engine:
             return self.model(*args, **kwargs)
         finally:
             self.phase = Phase.IDLE
+            if not torch.is_grad_enabled():  # no backward will come to release the root unit
+                self._reshard_all()
+
+    def _reshard_all(self) -> None:
+        for u in self.units:
+            if u.state is UnitState.UNSHARDED and not u.resident:
+                u.reshard()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards."""
@@ -127,9 +134,7 @@ class Engine:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         finally:
             self.phase = Phase.IDLE
-        for u in self.units:  # units that produced no gradient this time (unused) still let go
-            if u.state is UnitState.UNSHARDED and not u.resident:
-                u.reshard()
+        self._reshard_all()  # units that produced no gradient this time (unused) still let go
         self._micro += 1
         self.trace.end_step()
 

@@ -1,0 +1,43 @@
+"""Run under torchrun by test_multirank.py: N ranks train on their slices of the same global batches."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import HP  # noqa: E402
+from models import TinyGPT, batches  # noqa: E402
+
+import runtime  # noqa: E402
+
+
+def main(out_path: str, config_json: str, steps: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    cfg = runtime.Config.from_dict(json.loads(config_json))
+    engine = runtime.Engine(model, cfg, runtime.AdamW(**HP))
+    rank, world = engine.group.rank, engine.group.world
+    losses = []
+    for x, y in batches(steps, batch=4):
+        part = slice(rank * 4 // world, (rank + 1) * 4 // world)
+        loss = engine(x[part], y[part])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    swap_files = sorted(f for f in os.listdir(cfg.nvme_dir) if f.endswith(".swap"))
+    sd = engine.full_state_dict()
+    if rank == 0:
+        torch.save(sd, out_path + ".pt")
+        with open(out_path, "w") as f:
+            json.dump({"losses": losses, "world": world, "swap_files": swap_files}, f)
+    engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

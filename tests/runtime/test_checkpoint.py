@@ -1,0 +1,82 @@
+import json
+import os
+
+import pytest
+import torch
+from helpers import HP, assert_losses_match, train_engine, twins
+from models import TinyGPT, batches
+from safetensors.torch import load_file
+
+import runtime
+from offload import StorageCorruptError
+
+
+def make(tmp_path, name, **kw):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
+                         nvme_dir=str(tmp_path / f"nvme-{name}"), **kw)
+    torch.manual_seed(0)
+    return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    data = batches(12)
+    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a"))
+    e1.close()
+    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b"))
+    e2.save_checkpoint(str(tmp_path / "ckpt"), tag="step7")
+    e2.close()
+    e3 = make(tmp_path, "c")
+    meta = e3.load_checkpoint(str(tmp_path / "ckpt"))  # via `latest`
+    assert meta["step"] == 7 and meta["tag"] == "step7"
+    rest, _ = train_engine(None, None, data[7:], engine=e3)
+    assert first + rest == whole, "resumed losses must equal the uninterrupted run's, bit for bit"
+    e3.close()
+
+
+def test_checkpoint_layout_is_atomic_and_checksummed(tmp_path):
+    e = make(tmp_path, "a", grad_clip=None)
+    train_engine(None, None, batches(2), engine=e)
+    ckpt = tmp_path / "ckpt"
+    e.save_checkpoint(str(ckpt), tag="s1")
+    e.save_checkpoint(str(ckpt), tag="s2")
+    assert (ckpt / "latest").read_text().strip() == "s2"
+    assert sorted(os.listdir(ckpt)) == ["latest", "s1", "s2"], "no temporary folders left behind"
+    meta = json.loads((ckpt / "s2" / "meta.json").read_text())
+    assert meta["world_size"] == 1 and meta["step"] == 2 and len(meta["files"]["rank0.safetensors"]) == 8
+    blob = bytearray((ckpt / "s2" / "rank0.safetensors").read_bytes())
+    blob[-10] ^= 0xFF
+    (ckpt / "s2" / "rank0.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(StorageCorruptError, match="rank0.safetensors.*checksum"):
+        e.load_checkpoint(str(ckpt), tag="s2")
+    os.unlink(ckpt / "s1" / "rank0.safetensors")
+    with pytest.raises(ValueError, match="rank0.safetensors.*missing"):
+        e.load_checkpoint(str(ckpt), tag="s1")
+    with pytest.raises(ValueError, match="latest"):
+        e.load_checkpoint(str(tmp_path / "nowhere"))
+    e.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    e = make(tmp_path, "a")
+    e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    e.close()
+    cfg = runtime.Config(stage=3, nvme_dir=str(tmp_path / "n2"))
+    other = runtime.Engine(TinyGPT(layers=2), cfg)
+    with pytest.raises(ValueError, match="different model"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))
+    other.close()
+
+
+def test_export_loads_into_a_plain_model_with_equal_logits(tmp_path):
+    ours_model, plain = twins(TinyGPT)
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"))
+    _, e = train_engine(ours_model, cfg, batches(3))
+    path = str(tmp_path / "model.safetensors")
+    e.export(path)
+    sd = load_file(path)
+    assert list(sd) == list(plain.state_dict())
+    plain.load_state_dict(sd)
+    x, y = batches(1, seed=9)[0]
+    with torch.no_grad():
+        assert torch.equal(plain(x, y), e(x, y))
+    e.close()

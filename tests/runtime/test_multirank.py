@@ -1,0 +1,41 @@
+"""Two real ranks under torchrun (gloo) train exactly like one rank on the whole batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_losses_match, train_plain, twins
+from models import TinyGPT, batches
+
+HERE = os.path.dirname(__file__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("stage, params, optim, clip", [(3, "nvme", "nvme", 1.0), (3, "cpu", "none", None),
+                                                        (2, "none", "nvme", 1.0)])
+def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, optim, clip):
+    out = str(tmp_path / "result.json")
+    cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
+           "grad_clip": clip}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", os.path.join(HERE, "dist_train.py"), out, json.dumps(cfg), "12"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.load(open(out))
+    assert got["world"] == 2 and got["swap_files"] == ["rank0.swap", "rank1.swap"]
+    _, ref_model = twins(TinyGPT)
+    ref = train_plain(ref_model, batches(12, batch=4), clip=clip)
+    assert_losses_match(got["losses"], ref, rel=1e-5)
+    sd = torch.load(out + ".pt", weights_only=True)
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=1e-5, msg=k)

@@ -1,0 +1,90 @@
+import math
+
+import pytest
+import torch
+from helpers import HP, train_engine, train_plain, twins
+from models import TinyGPT, batches
+
+import runtime
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_tracks_fp32_and_keeps_fp32_masters(tmp_path, dtype):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         dtype=dtype)
+    ours_model, ref_model = twins(TinyGPT)
+    data = batches(15)
+    ref = train_plain(ref_model, data, clip=1.0)
+    ours, engine = train_engine(ours_model, cfg, data)
+    assert all(math.isfinite(v) for v in ours)
+    assert ours[-1] < ours[0] - 1.0, "training in low precision still learns"
+    if dtype == "bf16":
+        assert max(abs(a - b) / b for a, b in zip(ours, ref, strict=True)) < 0.03
+    else:  # fp16 skips its first step (2^16 x this loss overflows) and halves the scale, once
+        assert engine.scaler.scale == 2.0**15 and engine.global_step == len(data) - 1
+    sd = engine.full_state_dict()
+    assert sd["blocks.0.mlp.0.weight"].dtype == (torch.bfloat16 if dtype == "bf16" else torch.float16)
+    state = engine.store.fetch(engine.units[0].opt_key, runtime.engine.Tier.HOST).result()
+    assert state.dtype == torch.float32
+    engine.store.release(engine.units[0].opt_key)
+    engine.close()
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
+    cfg = runtime.Config(stage=3, offload_optimizer="cpu", nvme_dir=str(tmp_path), dtype="fp16")
+    torch.manual_seed(0)
+    engine = runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
+    before = engine.full_state_dict()
+    engine.scaler.scale = 2.0**40  # fp16 gradients of a loss scaled this far overflow
+    x, y = batches(1)[0]
+    engine.backward(engine(x, y))
+    stats = engine.step()
+    assert stats["skipped"] and stats["loss_scale"] == 2.0**39 and engine.global_step == 0
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changes nothing"
+    engine.scaler.scale = 2.0**10
+    engine.backward(engine(x, y))
+    assert not engine.step()["skipped"] and engine.global_step == 1
+    engine.close()
+
+
+def test_deferred_init_is_reproducible_and_never_whole(tmp_path):
+    def build(seed):
+        with runtime.deferred_init():
+            model = TinyGPT(layers=4)
+        assert all(p.is_meta for p in model.parameters())
+        cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
+                             nvme_dir=str(tmp_path / f"n{seed}{torch.rand(1).item()}"))
+        return runtime.Engine(model, cfg, seed=seed)
+
+    a, b, c = build(1), build(1), build(2)
+    sa, sb, sc = a.full_state_dict(), b.full_state_dict(), c.full_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["blocks.0.mlp.0.weight"], sc["blocks.0.mlp.0.weight"])
+    assert sa["blocks.0.ln1.weight"].eq(1).all(), "each module's own reset_parameters ran"
+    losses, _ = train_engine(None, None, batches(5), engine=a)
+    assert losses[-1] < losses[0]
+    for e in (a, b, c):
+        e.close()
+
+
+def test_budgets_too_small_fail_before_training(tmp_path):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         host_budget=8192)
+    with pytest.raises(ValueError, match="host_budget=8,192 bytes .* raise it to at least"):
+        runtime.Engine(TinyGPT(), cfg)
+
+
+def test_units_are_the_repeated_blocks_or_the_named_classes(tmp_path):
+    engine = runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "a")))
+    assert [u.name for u in engine.units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    root = engine.units[-1]
+    tied = [s for s in root.plan.slots if len(s.state_dict_names) == 2]
+    assert len(tied) == 1 and sorted(tied[0].state_dict_names) == ["head.weight", "tok.weight"]
+    engine.close()
+    by_class = runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "b"),
+                                                        unit_classes=("Sequential",)))
+    assert [u.name for u in by_class.units] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp", "<root>"]
+    by_class.close()
+    with pytest.raises(ValueError, match="matches no module"):
+        runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "c"), unit_classes=("Nope",)))
