@@ -3,7 +3,7 @@ import os
 
 import pytest
 import torch
-from helpers import HP, assert_losses_match, train_engine, twins
+from helpers import HP, train_engine, twins
 from models import TinyGPT, batches
 from safetensors.torch import load_file
 
