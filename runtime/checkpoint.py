@@ -147,6 +147,12 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     with safe_open(path, framework="pt") as f:
         for u in engine.units:
             state = f.get_tensor(u.opt_key)
+            if u.master_is_param:  # the state is pinned as the live parameters: refill it in place
+                live = store.fetch(u.opt_key, place.work_tier).result()
+                with torch.no_grad():
+                    live.copy_(state)
+                store.release(u.opt_key, dirty=True)
+                continue
             store.put(u.opt_key, state, place.opt_tier)
             write_param_shard(u, store, place, state[: u.layout.shard])
             if u.resident:

@@ -35,7 +35,7 @@ from runtime.flat_unit import FlatUnit, Layout, UnitState
 from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.optimizer import AdamW, Placement, initial_state, update_unit
+from runtime.optimizer import AdamW, Placement, initial_state, update_units
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
 from runtime.units import plan_units
@@ -261,16 +261,19 @@ class Engine:
 
     def _update(self, unit: FlatUnit, coef: float) -> None:
         t0 = time.perf_counter()
-        update_unit(unit, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        update_units([unit], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
         self._opt_wait += time.perf_counter() - t0
 
     def _run_updates(self, coef: float) -> None:
         order = [u for u in self.units if u.index in self._have_grad]
+        if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
+            update_units(order, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            return
         depth = max(1, self.config.prefetch_depth)
         for i, unit in enumerate(order):
             ahead = order[i + 1 : i + 1 + depth]
             self.store.prefetch([k for u in ahead for k in (u.opt_key, u.grad_key)], self.place.work_tier)
-            update_unit(unit, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            update_units([unit], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
@@ -298,14 +301,17 @@ class Engine:
         master = flat32[rank * lay.shard : (rank + 1) * lay.shard].clone()
         del flat32
         self.store.put(unit.opt_key, initial_state(master), self.place.opt_tier)
-        self.store.put(unit.param_key, master.to(self.dtype), self.place.param_tier)
+        alias = self.group.world == 1 and unit.resident and self.place.param_tier == Tier.DEVICE
+        master_is_param = alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
+        if not master_is_param:
+            self.store.put(unit.param_key, master.to(self.dtype), self.place.param_tier)
         for slot in unit.plan.slots:
             for module, name in slot.places:
                 del module._parameters[name]  # the flat buffer's views take their place
             slot.param = None
         if unit.resident:
-            if self.group.world == 1 and self.place.param_tier == Tier.DEVICE:
-                unit.alias_shard()
+            if alias:
+                unit.alias_shard(master=master_is_param)
             else:
                 unit.unshard()
             unit.bind_views()

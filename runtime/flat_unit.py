@@ -71,6 +71,7 @@ class FlatUnit:
         self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
+        self.master_is_param = False
         self.wait_seconds = 0.0  # time spent waiting for the store
         self.opt_steps = 0  # optimizer updates this unit has taken (AdamW bias correction)
 
@@ -78,12 +79,20 @@ class FlatUnit:
     def name(self) -> str:
         return self.plan.name or "<root>"
 
-    def alias_shard(self) -> None:
-        """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good)."""
+    def alias_shard(self, *, master: bool) -> None:
+        """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good).
+
+        `master`: fp32 with optimizer states on DEVICE too — the flat buffer is the master slice of
+        [master|m|v] itself, so the fused update writes the live parameters and nothing is copied.
+        """
         assert self.group.world == 1 and self.resident
-        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        if master:
+            shard = self.store.fetch(self.opt_key, Tier.DEVICE).result()[: self.layout.shard]
+        else:
+            shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
         self.flat = shard.detach().requires_grad_()
         self._aliased = True
+        self.master_is_param = master
         self.state = UnitState.UNSHARDED
 
     def unshard(self) -> None:
@@ -129,6 +138,8 @@ class FlatUnit:
 
     def full_values(self) -> torch.Tensor:
         """The whole unit's parameters gathered into a new buffer (for state dicts and export)."""
+        if self._aliased:
+            return self.flat.detach().clone()
         full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
         shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
         try:

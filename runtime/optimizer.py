@@ -50,35 +50,44 @@ def initial_state(master: torch.Tensor) -> torch.Tensor:
     return state
 
 
-def update_unit(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
-                grad_scale: float) -> None:
-    """Read the unit's state and gradient, update, write state and the new parameter shard back.
+def update_units(units: list[FlatUnit], store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
+                 grad_scale: float) -> None:
+    """Read the units' states and gradients, update them in one fused call, write everything back.
 
-    `grad_scale` multiplies the gradient first (the global-norm clip coefficient, 1.0 for none).
+    Streaming from HOST or NVMe passes one unit at a time (the store prefetches the next ones);
+    states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
+    `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     """
-    state = store.fetch(unit.opt_key, place.work_tier).result()
-    grad = store.fetch(unit.grad_key, place.work_tier).result()
+    states = [store.fetch(u.opt_key, place.work_tier).result() for u in units]
+    grads = [store.fetch(u.grad_key, place.work_tier).result() for u in units]
     try:
-        master, exp_avg, exp_avg_sq = state.chunk(3)
+        masters, exp_avgs, exp_avg_sqs = zip(*(st.chunk(3) for st in states), strict=True)
         if grad_scale != 1.0:
-            grad.mul_(grad_scale)
-        # Per-unit step count, as torch.optim keeps one per parameter: a unit that got no gradient
+            torch._foreach_mul_(grads, grad_scale)
+        # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no gradient
         # in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
-        unit.opt_steps += 1
-        step_t = torch.tensor(float(unit.opt_steps), dtype=torch.float32, device=master.device)
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=hp.betas[0],
-                            beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False,
-                            maximize=False)
-        write_param_shard(unit, store, place, master)
+        steps = []
+        for u in units:
+            u.opt_steps += 1
+            steps.append(torch.tensor(float(u.opt_steps), dtype=torch.float32, device=states[0].device))
+        torch._fused_adamw_(list(masters), grads, list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
+                            beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
+                            amsgrad=False, maximize=False)
+        for u, master in zip(units, masters, strict=True):
+            write_param_shard(u, store, place, master)
     finally:
-        store.release(unit.grad_key)
-        store.release(unit.opt_key, dirty=True)
+        for u in units:
+            store.release(u.grad_key)
+            store.release(u.opt_key, dirty=True)
     if place.opt_tier == Tier.NVME:
-        store.evict(unit.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next unit
+        for u in units:
+            store.evict(u.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
 
 
 def write_param_shard(unit: FlatUnit, store: TieredStore, place: Placement, master: torch.Tensor) -> None:
     """The compute-dtype parameter shard from the fp32 master shard."""
+    if unit.master_is_param:
+        return  # the fused update already wrote the live parameters
     if unit._aliased:  # the stored shard is the live flat buffer: update it in place
         with torch.no_grad():
             unit.flat.copy_(master)

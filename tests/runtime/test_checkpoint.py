@@ -11,21 +11,22 @@ import runtime
 from offload import StorageCorruptError
 
 
-def make(tmp_path, name, **kw):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
+def make(tmp_path, name, params="nvme", optim="nvme", **kw):
+    cfg = runtime.Config(stage=3, offload_params=params, offload_optimizer=optim,
                          nvme_dir=str(tmp_path / f"nvme-{name}"), **kw)
     torch.manual_seed(0)
     return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+@pytest.mark.parametrize("params, optim", [("nvme", "nvme"), ("none", "none"), ("cpu", "nvme")])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim):
     data = batches(12)
-    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a"))
+    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a", params, optim))
     e1.close()
-    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b"))
+    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b", params, optim))
     e2.save_checkpoint(str(tmp_path / "ckpt"), tag="step7")
     e2.close()
-    e3 = make(tmp_path, "c")
+    e3 = make(tmp_path, "c", params, optim)
     meta = e3.load_checkpoint(str(tmp_path / "ckpt"))  # via `latest`
     assert meta["step"] == 7 and meta["tag"] == "step7"
     rest, _ = train_engine(None, None, data[7:], engine=e3)

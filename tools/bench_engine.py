@@ -1,0 +1,194 @@
+"""Engine benchmarks: optimizer throughput and training-step time against plain PyTorch.
+
+    python -m tools.bench_engine optimizer [--params 100M] [--repeats 5]
+    python -m tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 4] [--rounds 1]
+
+Every configuration runs in its own process, so that its peak RSS is its own; configurations are
+interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from tools.units import human_bytes, parse_size
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- what one process measures ---------------------------------------------------------------------
+
+def run_optimizer(kind: str, params: int, repeats: int) -> dict:
+    """Seconds of one AdamW step over `params` fp32 parameters with states in RAM."""
+    import runtime
+
+    width = 2048
+    layers = max(1, params // (width * width))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    n = sum(p.numel() for p in model.parameters())
+    times = []
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, width, generator=g)
+    loss_of = lambda out: out.square().mean() * 1e6  # noqa: E731 - gradients far from denormal range
+    if kind == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        for _ in range(repeats + 1):  # the same real gradients as ours: same model, input and loss
+            opt.zero_grad()
+            loss_of(model(x)).backward()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    else:
+        wrapped = torch.nn.Module()
+        wrapped.blocks = torch.nn.ModuleList(model)
+        wrapped.forward = lambda x: model(x)  # noqa: E731
+        with tempfile.TemporaryDirectory() as d:
+            cfg = runtime.Config(stage=3, nvme_dir=d, grad_clip=1e12, prefetch_depth=2)
+            engine = runtime.Engine(wrapped, cfg, runtime.AdamW(lr=1e-4))
+            for _ in range(repeats + 1):
+                engine.backward(loss_of(engine(x)))
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            engine.close()
+    step = statistics.median(times[1:])
+    return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": _peak_rss()}
+
+
+def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> dict:
+    """Median seconds of a training step of the preset GPT (fp32), plain or through the engine."""
+    import runtime
+    from tools.gpt import GPT, PRESETS
+
+    cfg = PRESETS[preset]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(steps + 1)]
+    times, io = [], None
+    if kind == "plain":
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        for tokens in data:
+            t0 = time.perf_counter()
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    else:
+        clip = 1.0 if kind.endswith("clip") else None
+        with runtime.deferred_init():
+            model = GPT(cfg)
+        from tools.gpt import init_fn
+
+        with tempfile.TemporaryDirectory(dir=nvme_root) as d:
+            conf = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=d,
+                                  grad_clip=clip, prefetch_depth=2, io={"block_size": 8 << 20, "threads": 4})
+            engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
+            before = None
+            for i, tokens in enumerate(data):
+                if i == 1:
+                    before = engine.stats()
+                t0 = time.perf_counter()
+                loss = engine(tokens[:, :-1], tokens[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            after = engine.stats()
+            engine.close()
+        n = len(data) - 1
+        io = {"read_bytes_per_step": (after["bytes_read"] - before["bytes_read"]) / n,
+              "written_bytes_per_step": (after["bytes_written"] - before["bytes_written"]) / n,
+              "io_busy_s_per_step": (after["io_busy_seconds"] - before["io_busy_seconds"]) / n,
+              "unit_wait_s_per_step": (after["unit_wait_seconds"] - before["unit_wait_seconds"]) / n,
+              "prefetch_hit_rate": after["prefetch_hit_rate"]}
+    step = statistics.median(times[1:])  # the first step records the trace and warms up
+    out = {"kind": kind, "preset": preset, "step_s": step, "all_steps_s": times, "peak_rss": _peak_rss()}
+    if io:
+        out.update(io, wait_fraction=io["unit_wait_s_per_step"] / step)
+    return out
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+def _child(args: list[str]) -> dict:
+    res = subprocess.run([sys.executable, "-m", "tools.bench_engine", "_run", *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmark process failed: {res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench_engine")
+    sub = p.add_subparsers(dest="what", required=True)
+    o = sub.add_parser("optimizer")
+    o.add_argument("--params", type=parse_size, default=100_000_000)
+    o.add_argument("--repeats", type=int, default=5)
+    s = sub.add_parser("step")
+    s.add_argument("--preset", default="bench-134m")
+    s.add_argument("--batch", type=int, default=2)
+    s.add_argument("--steps", type=int, default=4)
+    s.add_argument("--rounds", type=int, default=1)
+    s.add_argument("--dir", default=".", help="where the NVMe swap files go")
+    for q in (o, s):
+        q.add_argument("--json", metavar="PATH")
+    r = sub.add_parser("_run")
+    r.add_argument("spec")
+    args = p.parse_args(argv)
+
+    if args.what == "_run":
+        spec = json.loads(args.spec)
+        fn = run_optimizer if spec.pop("case") == "optimizer" else run_step
+        print(json.dumps(fn(**spec)))
+        return 0
+    results = []
+    if args.what == "optimizer":
+        for _ in range(args.repeats):
+            for kind in ("torch", "ours"):
+                results.append(_child([json.dumps({"case": "optimizer", "kind": kind, "params": args.params,
+                                                   "repeats": 3})]))
+        med = {k: statistics.median(r["params_per_s"] for r in results if r["kind"] == k) for k in ("torch", "ours")}
+        print(f"AdamW step over {results[0]['params']:,} fp32 params, states in RAM, median of {args.repeats}:")
+        for k, v in med.items():
+            print(f"  {k:6s} {v / 1e9:.2f} G params/s")
+        print(f"  ours / torch fused: {med['ours'] / med['torch']:.2f}x")
+    else:
+        os.makedirs(args.dir, exist_ok=True)
+        for _ in range(args.rounds):
+            for kind in ("plain", "nvme-noclip", "nvme-clip"):
+                results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
+                                                   "batch": args.batch, "steps": args.steps,
+                                                   "nvme_root": os.path.abspath(args.dir)})]))
+        plain = statistics.median(r["step_s"] for r in results if r["kind"] == "plain")
+        print(f"{args.preset}, batch {args.batch}, fp32; median step of {args.steps} after a warm-up step:")
+        for kind in ("plain", "nvme-noclip", "nvme-clip"):
+            rs = [r for r in results if r["kind"] == kind]
+            step = statistics.median(r["step_s"] for r in rs)
+            rss = human_bytes(max(r["peak_rss"] for r in rs))
+            line = f"  {kind:12s} {step:6.2f} s/step  {step / plain:5.2f}x  peak RSS {rss}"
+            if "wait_fraction" in rs[0]:
+                r0 = rs[0]
+                line += (f"  I/O wait {r0['wait_fraction']:.0%}  read {human_bytes(r0['read_bytes_per_step'])}"
+                         f"/step  written {human_bytes(r0['written_bytes_per_step'])}/step")
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
