@@ -226,7 +226,7 @@ class Engine:
                 acc.add_(shard)
             last = self._micro + 1 == accum
             if last:
-                self._sqnorm[unit.index] = float(acc.double().square().sum())
+                self._sqnorm[unit.index] = float(torch.linalg.vector_norm(acc)) ** 2  # fp32, as clip_grad_norm_
                 if self.scaler.enabled and not math.isfinite(self._sqnorm[unit.index]):
                     self._overflow = True
             if acc is not shard:

@@ -123,8 +123,12 @@ class FlatUnit:
     def bind_views(self) -> None:
         """Point every module attribute of the unit's parameters at views of the flat buffer."""
         assert self.state is UnitState.UNSHARDED
-        for slot, off in zip(self.plan.slots, self.layout.offsets, strict=True):
-            view = self.flat[off : off + slot.numel].view(slot.shape)
+        # One split, not a slice per parameter: autograd then writes the flat gradient with a single
+        # concatenation, where slices would each build (and sum) a zero-filled flat-sized gradient.
+        sizes = [slot.numel for slot in self.plan.slots]
+        pieces = torch.split(self.flat, [*sizes, self.layout.padded - self.layout.numel])
+        for slot, piece in zip(self.plan.slots, pieces, strict=False):
+            view = piece.view(slot.shape)
             for module, name in slot.places:
                 setattr(module, name, view)
 

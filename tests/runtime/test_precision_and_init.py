@@ -88,3 +88,27 @@ def test_units_are_the_repeated_blocks_or_the_named_classes(tmp_path):
     by_class.close()
     with pytest.raises(ValueError, match="matches no module"):
         runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "c"), unit_classes=("Nope",)))
+
+
+class Bare(torch.nn.Module):
+    """A module with a parameter and no reset_parameters: deferred init cannot guess its values."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(4))
+
+    def forward(self, x):
+        return (x * self.w).sum()
+
+
+def test_deferred_init_refuses_what_it_cannot_initialize(tmp_path):
+    with runtime.deferred_init():
+        model = Bare()
+    with pytest.raises(ValueError, match="Bare .* no reset_parameters.*init_fn"):
+        runtime.Engine(model, runtime.Config(stage=3, nvme_dir=str(tmp_path / "a")))
+    with runtime.deferred_init():
+        model = Bare()
+    engine = runtime.Engine(model, runtime.Config(stage=3, nvme_dir=str(tmp_path / "b")),
+                            init_fn=lambda m: m.w.fill_(0.5) if isinstance(m, Bare) else None)
+    assert torch.equal(engine.full_state_dict()["w"], torch.full((4,), 0.5))
+    engine.close()
