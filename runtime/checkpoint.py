@@ -1,6 +1,6 @@
 """Sharded, checksummed, atomic checkpoints (SPEC.md §4).
 
-    <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per unit (fp32)
+    <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per chunk (fp32)
     <dir>/<tag>/meta.json             config, world size, step, unit layout, crc32 of every rank file
     <dir>/latest                      the newest complete tag
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from offload import StorageCorruptError
-from runtime.optimizer import write_param_shard
+from runtime.optimizer import write_param_chunk
 from runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
 if TYPE_CHECKING:
@@ -46,8 +46,8 @@ def _gather(engine: Engine, value):
 
 
 def _layout(engine: Engine) -> list[dict]:
-    return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard}
-            for u in engine.units]
+    return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
+             "chunks": [[c.start, c.end] for c in u.chunks]} for u in engine.units]
 
 
 def _fsync_dir(path: str) -> None:
@@ -73,13 +73,14 @@ def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
     name = f"rank{engine.group.rank}.safetensors"
     path = os.path.join(tmp, name)
     store, place = engine.store, engine.place
-    writer = SafetensorsWriter(path, [(u.opt_key, torch.float32, (3 * u.layout.shard,)) for u in engine.units])
-    for u in engine.units:
-        state = store.fetch(u.opt_key, place.work_tier).result()
+    chunks = [c for u in engine.units for c in u.chunks]
+    writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks])
+    for c in chunks:
+        state = store.fetch(c.opt_key, place.work_tier).result()
         try:
-            writer.write(u.opt_key, state)
+            writer.write(c.opt_key, state)
         finally:
-            store.release(u.opt_key)
+            store.release(c.opt_key)
     writer.close()
     crcs = _gather(engine, (name, f"{file_crc32(path):08x}"))
     if engine.group.rank == 0:
@@ -146,15 +147,16 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     store, place = engine.store, engine.place
     with safe_open(path, framework="pt") as f:
         for u in engine.units:
-            state = f.get_tensor(u.opt_key)
-            if u.master_is_param:  # the state is pinned as the live parameters: refill it in place
-                live = store.fetch(u.opt_key, place.work_tier).result()
-                with torch.no_grad():
-                    live.copy_(state)
-                store.release(u.opt_key, dirty=True)
-                continue
-            store.put(u.opt_key, state, place.opt_tier)
-            write_param_shard(u, store, place, state[: u.layout.shard])
+            for c in u.chunks:
+                state = f.get_tensor(c.opt_key)
+                if u.master_is_param:  # the state is pinned as the live parameters: refill it in place
+                    live = store.fetch(c.opt_key, place.work_tier).result()
+                    with torch.no_grad():
+                        live.copy_(state)
+                    store.release(c.opt_key, dirty=True)
+                    continue
+                store.put(c.opt_key, state, place.opt_tier)
+                write_param_chunk(c, store, place, state[: c.numel])
             if u.resident:
                 u.refresh_resident()
     for u, steps in zip(engine.units, meta["unit_steps"], strict=True):

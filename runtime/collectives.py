@@ -35,14 +35,13 @@ def init_group(device: torch.device) -> Group:
     return Group()
 
 
-def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
-    """Fill `full` (world x shard elements) with every rank's shard, in rank order."""
+def all_gather_chunk(full: torch.Tensor, piece: torch.Tensor, shard: int, start: int, end: int,
+                     group: Group) -> None:
+    """Fill elements [start, end) of every rank's shard inside `full` from each rank's `piece`."""
     if group.world == 1:
-        full.copy_(shard)
-    elif group.backend == "nccl":
-        dist.all_gather_into_tensor(full, shard)
-    else:
-        dist.all_gather(list(full.chunk(group.world)), shard)
+        full[start:end].copy_(piece)
+        return
+    dist.all_gather([full[r * shard + start : r * shard + end] for r in range(group.world)], piece)
 
 
 def reduce_scatter(full: torch.Tensor, group: Group) -> torch.Tensor:

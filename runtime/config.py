@@ -35,6 +35,8 @@ class Config:
     device_budget, host_budget: bytes; None derives them from the machine.
     unit_classes:      module class names that form fetch units (empty: the repeated blocks).
     optimizer:         AdamW keyword arguments used when the Engine is given no optimizer.
+    sub_group_size:    elements per optimizer chunk: the optimizer streams [master|m|v] of this
+                       many parameters at a time (16 B each with the gradient), whatever the unit size.
     """
 
     stage: int = 3
@@ -50,6 +52,7 @@ class Config:
     io: IOConfig = field(default_factory=IOConfig)
     unit_classes: tuple[str, ...] = ()
     optimizer: dict[str, Any] = field(default_factory=dict)
+    sub_group_size: int = 1 << 22
 
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
@@ -77,6 +80,8 @@ class Config:
             v = getattr(self, key)
             if v is not None and v <= 0:
                 raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
+        if self.sub_group_size < 1024:
+            raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least 1024 elements.")
         unknown = set(self.optimizer) - {"lr", "betas", "eps", "weight_decay"}
         if unknown:
             raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; AdamW takes lr, betas, eps, weight_decay.")
@@ -160,6 +165,8 @@ def _translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
             z = value or {}
             if given(z.get("stage")):
                 out["stage"] = int(z["stage"])
+            if given(z.get("sub_group_size")):
+                out["sub_group_size"] = int(z["sub_group_size"])
             for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
                 o = z.get(ds_key)
                 if not o:
@@ -169,7 +176,7 @@ def _translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
                     out["nvme_dir"] = o["nvme_path"]
                 for sub in sorted(set(o) - {"device", "nvme_path"}):
                     ignored(f"zero_optimization.{ds_key}.{sub}")
-            for sub in sorted(set(z) - {"stage", "offload_param", "offload_optimizer"}):
+            for sub in sorted(set(z) - {"stage", "sub_group_size", "offload_param", "offload_optimizer"}):
                 ignored(f"zero_optimization.{sub}")
         elif key == "aio":
             for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),

@@ -35,7 +35,7 @@ from runtime.flat_unit import FlatUnit, Layout, UnitState
 from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.optimizer import AdamW, Placement, initial_state, update_units
+from runtime.optimizer import AdamW, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
 from runtime.units import plan_units
@@ -98,7 +98,9 @@ class Engine:
                                  prefetch_bytes=max(lay.shard for lay in layouts) * elem
                                  * max(1, config.prefetch_depth))
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
-        self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident)
+        alias = self.group.world == 1 and resident and self.place.param_tier == Tier.DEVICE
+        self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident,
+                               chunk_elems=lay.shard if alias else config.sub_group_size)
                       for p, lay in zip(plans, layouts, strict=True)]
         in_units = {m for u in self.units if u.plan.module is not model for m in u.plan.module.modules()}
         for unit in self.units:
@@ -217,21 +219,27 @@ class Engine:
             full = grad if grad.dtype == torch.float32 else grad.float()
             shard = reduce_scatter(full, self.group)
             shard.mul_(1.0 / (world * accum * self.scaler.scale))
-            if unit.index not in self._have_grad:
-                self.store.put(unit.grad_key, shard, self.place.work_tier)
-                self._have_grad.add(unit.index)
-                acc = shard
-            else:
-                acc = self.store.fetch(unit.grad_key, self.place.work_tier).result()
-                acc.add_(shard)
+            first = unit.index not in self._have_grad
+            self._have_grad.add(unit.index)
             last = self._micro + 1 == accum
+            sqnorm = 0.0
+            for c in unit.chunks:
+                piece = shard[c.start : c.end]
+                if first:
+                    self.store.put(c.grad_key, piece, self.place.work_tier)
+                    acc = piece
+                else:
+                    acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
+                    acc.add_(piece)
+                if last:
+                    sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
+                if not first:
+                    self.store.release(c.grad_key, dirty=True)
             if last:
-                self._sqnorm[unit.index] = float(torch.linalg.vector_norm(acc)) ** 2  # fp32, as clip_grad_norm_
-                if self.scaler.enabled and not math.isfinite(self._sqnorm[unit.index]):
+                self._sqnorm[unit.index] = sqnorm
+                if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
-            if acc is not shard:
-                self.store.release(unit.grad_key, dirty=True)
-        del grad, full, shard, acc
+        del grad, full, shard
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
         if last and self._overlapped():
@@ -241,15 +249,17 @@ class Engine:
 
     def _prefetch(self, unit_indices: list[int]) -> None:
         """Start bringing the parameter shards of the units expected next onto the device."""
-        keys = [self.units[i].param_key for i in unit_indices
-                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
+        keys = [c.param_key for i in unit_indices
+                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED
+                for c in self.units[i].chunks]
         if keys:
             self.store.prefetch(keys, Tier.DEVICE)
 
     def _reset_accumulation(self) -> None:
         for u in self.units:  # gradients are spent (or abandoned): never write them back anywhere
             if u.index in self._have_grad:
-                self.store.delete(u.grad_key)
+                for c in u.chunks:
+                    self.store.delete(c.grad_key)
         self._micro = 0
         self._have_grad.clear()
         self._sqnorm.clear()
@@ -261,19 +271,24 @@ class Engine:
 
     def _update(self, unit: FlatUnit, coef: float) -> None:
         t0 = time.perf_counter()
-        update_units([unit], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        for c in unit.chunks:
+            update_chunks([c], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        unit.opt_steps += 1
         self._opt_wait += time.perf_counter() - t0
 
     def _run_updates(self, coef: float) -> None:
-        order = [u for u in self.units if u.index in self._have_grad]
+        units = [u for u in self.units if u.index in self._have_grad]
+        order = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
-            update_units(order, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
-            return
-        depth = max(1, self.config.prefetch_depth)
-        for i, unit in enumerate(order):
-            ahead = order[i + 1 : i + 1 + depth]
-            self.store.prefetch([k for u in ahead for k in (u.opt_key, u.grad_key)], self.place.work_tier)
-            update_units([unit], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            update_chunks(order, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        else:
+            depth = max(1, self.config.prefetch_depth)
+            for i, chunk in enumerate(order):
+                ahead = order[i + 1 : i + 1 + depth]
+                self.store.prefetch([k for c in ahead for k in (c.opt_key, c.grad_key)], self.place.work_tier)
+                update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        for u in units:
+            u.opt_steps += 1
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
@@ -298,13 +313,14 @@ class Engine:
         for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
             module, name = slot.places[0]
             flat32[off : off + slot.numel].copy_(module._parameters[name].detach().reshape(-1))
-        master = flat32[rank * lay.shard : (rank + 1) * lay.shard].clone()
-        del flat32
-        self.store.put(unit.opt_key, initial_state(master), self.place.opt_tier)
+        master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
         alias = self.group.world == 1 and unit.resident and self.place.param_tier == Tier.DEVICE
         master_is_param = alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
-        if not master_is_param:
-            self.store.put(unit.param_key, master.to(self.dtype), self.place.param_tier)
+        for c in unit.chunks:
+            self.store.put(c.opt_key, initial_state(master[c.start : c.end]), self.place.opt_tier)
+            if not master_is_param:
+                self.store.put(c.param_key, master[c.start : c.end].to(self.dtype), self.place.param_tier)
+        del flat32, master
         for slot in unit.plan.slots:
             for module, name in slot.places:
                 del module._parameters[name]  # the flat buffer's views take their place

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import Tier, TieredStore
-from runtime.collectives import Group, all_gather_into
+from runtime.collectives import Group, all_gather_chunk
 from runtime.units import UnitPlan
 
 
@@ -50,11 +50,39 @@ class Layout:
         return cls(tuple(offsets), n, padded, padded // world)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Chunk:
+    """Elements [start, end) of a unit's shard: the grain of optimizer streaming (DeepSpeed's
+    sub-group). Each chunk has its own parameter, [master|m|v] and gradient keys, so the HOST memory
+    the optimizer pipeline needs is bounded by the chunk size, not by the largest unit."""
+
+    unit: FlatUnit
+    index: int
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def param_key(self) -> str:
+        return f"u{self.unit.index}.param{self.index}"
+
+    @property
+    def opt_key(self) -> str:
+        return f"u{self.unit.index}.opt{self.index}"
+
+    @property
+    def grad_key(self) -> str:
+        return f"u{self.unit.index}.grad{self.index}"
+
+
 class FlatUnit:
-    """A unit's flat parameters and the store keys of its shard, optimizer state and gradient."""
+    """A unit's flat parameters and the store keys of its shard's chunks."""
 
     def __init__(self, plan: UnitPlan, layout: Layout, dtype: torch.dtype, device: torch.device,
-                 group: Group, store: TieredStore, *, resident: bool) -> None:
+                 group: Group, store: TieredStore, *, resident: bool, chunk_elems: int) -> None:
         self.plan = plan
         self.index = plan.index
         self.layout = layout
@@ -63,9 +91,9 @@ class FlatUnit:
         self.group = group
         self.store = store
         self.resident = resident
-        self.param_key = f"u{plan.index}.param"
-        self.opt_key = f"u{plan.index}.opt"
-        self.grad_key = f"u{plan.index}.grad"
+        step = max(1, min(chunk_elems, layout.shard))
+        self.chunks = [Chunk(self, c, a, min(a + step, layout.shard))
+                       for c, a in enumerate(range(0, layout.shard, step))]
         self.state = UnitState.SHARDED
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
         self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
@@ -85,11 +113,12 @@ class FlatUnit:
         `master`: fp32 with optimizer states on DEVICE too — the flat buffer is the master slice of
         [master|m|v] itself, so the fused update writes the live parameters and nothing is copied.
         """
-        assert self.group.world == 1 and self.resident
+        assert self.group.world == 1 and self.resident and len(self.chunks) == 1
+        chunk = self.chunks[0]
         if master:
-            shard = self.store.fetch(self.opt_key, Tier.DEVICE).result()[: self.layout.shard]
+            shard = self.store.fetch(chunk.opt_key, Tier.DEVICE).result()[: self.layout.shard]
         else:
-            shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+            shard = self.store.fetch(chunk.param_key, Tier.DEVICE).result()
         self.flat = shard.detach().requires_grad_()
         self._aliased = True
         self.master_is_param = master
@@ -102,17 +131,22 @@ class FlatUnit:
         storage = self.flat.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.layout.padded * self.flat.element_size())
-        t0 = time.perf_counter()
-        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
-        self.wait_seconds += time.perf_counter() - t0
-        try:
-            # Refilling is not a change autograd must see: the views it saved are meant to read
-            # these same values again in backward.
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
-                all_gather_into(self.flat, shard, self.group)
-        finally:
-            self.store.release(self.param_key)
+        # Refilling is not a change autograd must see: the views it saved are meant to read these
+        # same values again in backward.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
+            self._gather_into(self.flat)
         self.state = UnitState.UNSHARDED
+
+    def _gather_into(self, full: torch.Tensor) -> None:
+        futures = [self.store.fetch(c.param_key, Tier.DEVICE) for c in self.chunks]  # all in flight at once
+        for chunk, future in zip(self.chunks, futures, strict=True):
+            t0 = time.perf_counter()
+            piece = future.result()
+            self.wait_seconds += time.perf_counter() - t0
+            try:
+                all_gather_chunk(full, piece, self.layout.shard, chunk.start, chunk.end, self.group)
+            finally:
+                self.store.release(chunk.param_key)
 
     def reshard(self) -> None:
         """Free the full parameters (allowed from UNSHARDED only; never for resident units)."""
@@ -145,9 +179,5 @@ class FlatUnit:
         if self._aliased:
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
-        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
-        try:
-            all_gather_into(full, shard, self.group)
-        finally:
-            self.store.release(self.param_key)
+        self._gather_into(full)
         return full

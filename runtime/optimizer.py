@@ -1,9 +1,11 @@
 """AdamW on fp32 master shards, streamed unit by unit through the store.
 
-[Note: optimizer state] Each unit keeps `[master | exp_avg | exp_avg_sq]` (fp32, 3 x shard
-elements) under one key, so reading and writing a unit's state is one large sequential request
-each. The update is `torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`:
-bias correction and decoupled weight decay exactly as torch.optim.AdamW computes them.
+[Note: optimizer state] Each chunk of a unit's shard keeps `[master | exp_avg | exp_avg_sq]`
+(fp32, 3 x chunk elements) under one key, so reading and writing it is one large sequential request
+each, and the pipeline holds a few chunks, never a whole large unit. The update is
+`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`: bias correction and
+decoupled weight decay exactly as torch.optim.AdamW computes them. The caller advances
+`unit.opt_steps` once all of a unit's chunks are updated.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import Tier, TieredStore
-from runtime.flat_unit import FlatUnit
+from runtime.flat_unit import Chunk
 
 
 @dataclass
@@ -50,46 +52,45 @@ def initial_state(master: torch.Tensor) -> torch.Tensor:
     return state
 
 
-def update_units(units: list[FlatUnit], store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
-                 grad_scale: float) -> None:
-    """Read the units' states and gradients, update them in one fused call, write everything back.
+def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
+                  grad_scale: float) -> None:
+    """Read the chunks' states and gradients, update them in one fused call, write everything back.
 
-    Streaming from HOST or NVMe passes one unit at a time (the store prefetches the next ones);
+    Streaming from HOST or NVMe passes one chunk at a time (the store prefetches the next ones);
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     """
-    states = [store.fetch(u.opt_key, place.work_tier).result() for u in units]
-    grads = [store.fetch(u.grad_key, place.work_tier).result() for u in units]
+    states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
+    grads = [store.fetch(c.grad_key, place.work_tier).result() for c in chunks]
     try:
         masters, exp_avgs, exp_avg_sqs = zip(*(st.chunk(3) for st in states), strict=True)
         if grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
         # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no gradient
         # in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
-        steps = []
-        for u in units:
-            u.opt_steps += 1
-            steps.append(torch.tensor(float(u.opt_steps), dtype=torch.float32, device=states[0].device))
+        steps = [torch.tensor(float(c.unit.opt_steps + 1), dtype=torch.float32, device=states[0].device)
+                 for c in chunks]
         torch._fused_adamw_(list(masters), grads, list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
                             beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
                             amsgrad=False, maximize=False)
-        for u, master in zip(units, masters, strict=True):
-            write_param_shard(u, store, place, master)
+        for c, master in zip(chunks, masters, strict=True):
+            write_param_chunk(c, store, place, master)
     finally:
-        for u in units:
-            store.release(u.grad_key)
-            store.release(u.opt_key, dirty=True)
+        for c in chunks:
+            store.release(c.grad_key)
+            store.release(c.opt_key, dirty=True)
     if place.opt_tier == Tier.NVME:
-        for u in units:
-            store.evict(u.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
+        for c in chunks:
+            store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
 
 
-def write_param_shard(unit: FlatUnit, store: TieredStore, place: Placement, master: torch.Tensor) -> None:
-    """The compute-dtype parameter shard from the fp32 master shard."""
+def write_param_chunk(chunk: Chunk, store: TieredStore, place: Placement, master: torch.Tensor) -> None:
+    """The compute-dtype parameters of a chunk from its fp32 master values."""
+    unit = chunk.unit
     if unit.master_is_param:
         return  # the fused update already wrote the live parameters
     if unit._aliased:  # the stored shard is the live flat buffer: update it in place
         with torch.no_grad():
-            unit.flat.copy_(master)
+            unit.flat[chunk.start : chunk.end].copy_(master)
         return
-    store.put(unit.param_key, master.to(unit.dtype), place.param_tier)
+    store.put(chunk.param_key, master.to(unit.dtype), place.param_tier)

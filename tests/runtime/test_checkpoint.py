@@ -13,7 +13,7 @@ from offload import StorageCorruptError
 
 def make(tmp_path, name, params="nvme", optim="nvme", **kw):
     cfg = runtime.Config(stage=3, offload_params=params, offload_optimizer=optim,
-                         nvme_dir=str(tmp_path / f"nvme-{name}"), **kw)
+                         nvme_dir=str(tmp_path / f"nvme-{name}"), sub_group_size=4096, **kw)
     torch.manual_seed(0)
     return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
 

@@ -99,3 +99,15 @@ def test_a_changed_path_is_noticed_and_stays_correct(tmp_path):
     s = engine.stats()
     assert s["trace_divergences"] > 0 and s["prefetch_issued"] > 0
     engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip, sub_group_size=1024)
+    ours_model, ref_model = twins(TinyGPT)
+    data = batches(10)
+    ours, engine = train_engine(ours_model, cfg, data)
+    assert all(len(u.chunks) > 1 for u in engine.units)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    engine.close()

@@ -24,9 +24,9 @@ def test_mixed_precision_tracks_fp32_and_keeps_fp32_masters(tmp_path, dtype):
         assert engine.scaler.scale == 2.0**15 and engine.global_step == len(data) - 1
     sd = engine.full_state_dict()
     assert sd["blocks.0.mlp.0.weight"].dtype == (torch.bfloat16 if dtype == "bf16" else torch.float16)
-    state = engine.store.fetch(engine.units[0].opt_key, runtime.engine.Tier.HOST).result()
+    state = engine.store.fetch(engine.units[0].chunks[0].opt_key, runtime.engine.Tier.HOST).result()
     assert state.dtype == torch.float32
-    engine.store.release(engine.units[0].opt_key)
+    engine.store.release(engine.units[0].chunks[0].opt_key)
     engine.close()
 
 
