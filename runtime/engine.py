@@ -95,8 +95,7 @@ class Engine:
             nvme_dir = self._owned_dir = tempfile.mkdtemp(prefix="outcore-")
         device_budget, host_budget = self._budgets(layouts, elem)
         self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
-                                 prefetch_bytes=max(lay.shard for lay in layouts) * elem
-                                 * max(1, config.prefetch_depth))
+                                 prefetch_bytes=device_budget // 2)
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
         alias = self.group.world == 1 and resident and self.place.param_tier == Tier.DEVICE
         self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident,
@@ -340,34 +339,36 @@ class Engine:
 
     def _budgets(self, layouts: list[Layout], elem: int) -> tuple[int, int]:
         """Budgets from the config, or derived from the layout and the machine; checked against the
-        largest unit so that a budget too small fails here, with the number that would work."""
+        smallest working set (a few optimizer chunks, a few parameter chunks) so that a budget too
+        small fails here, with the number that would work."""
         depth = max(1, self.config.prefetch_depth)
         page = 4096
         shards = [lay.shard for lay in layouts]
-        n_units, total, largest = len(shards), sum(shards), max(shards)
-        param_all = total * elem + n_units * page
-        state_all = total * 12 + n_units * page
-        grad_all = total * 4 + n_units * page
-        window = (depth + 2) * (largest * elem + page)
+        chunk = min(self.config.sub_group_size, max(shards))
+        total, largest = sum(shards), max(shards)
+        keys = sum(-(-s // chunk) for s in shards)
+        param_all = total * elem + keys * page
+        state_all = total * 12 + keys * page
+        grad_all = total * 4 + keys * page
         p = self.place
-        dev = param_all if p.param_tier == Tier.DEVICE else window
+        # DEVICE: every shard when parameters rest there, else the prefetch window of whole units.
+        dev = param_all if p.param_tier == Tier.DEVICE else (depth + 1) * (largest * elem + page)
+        dev_min = dev if p.param_tier == Tier.DEVICE else 4 * (chunk * elem + page)
         host = param_all if p.param_tier == Tier.HOST else 0
-        host_min = host + (largest * elem + page if p.param_tier == Tier.NVME else 0)
+        host_min = host + (chunk * elem + page if p.param_tier == Tier.NVME else 0)
+        opt_window = (depth + 2) * (chunk * 16 + 2 * page)  # read ahead, update, write back
         if p.work_tier == Tier.DEVICE:
-            dev += state_all + grad_all + largest * 16 + 2 * page  # + one key being replaced
-        else:
-            opt_window = (depth + 2) * (largest * 16 + 2 * page)
-            host += (state_all if p.opt_tier == Tier.HOST else opt_window) + grad_all + largest * 16 + 2 * page
-            host_min += (state_all if p.opt_tier == Tier.HOST else opt_window)
-        dev_min = dev if p.param_tier == Tier.DEVICE else 2 * (largest * elem + page)
-        if p.work_tier == Tier.DEVICE:
+            dev += state_all + grad_all + chunk * 16 + 2 * page  # + one key being replaced
             dev_min = dev
-        device_budget = self.config.device_budget or dev
+        else:
+            host += (state_all if p.opt_tier == Tier.HOST else opt_window) + grad_all + chunk * 16 + 2 * page
+            host_min += state_all if p.opt_tier == Tier.HOST else opt_window
+        device_budget = self.config.device_budget or max(dev, dev_min)
         host_budget = self.config.host_budget or max(host_min, min(host, psutil.virtual_memory().available // 2))
         if device_budget < dev_min:
             raise ValueError(f"device_budget={device_budget:,} bytes cannot hold what must stay on the device "
                              f"({dev_min:,} bytes for this model and offload setting); raise it or offload more.")
         if host_budget < host_min:
-            raise ValueError(f"host_budget={host_budget:,} bytes cannot hold the largest unit's working set "
-                             f"({host_min:,} bytes); raise it to at least that.")
+            raise ValueError(f"host_budget={host_budget:,} bytes cannot hold the optimizer's working set "
+                             f"({host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
         return device_budget, max(host_budget, page)

@@ -137,11 +137,16 @@ class FlatUnit:
             self._gather_into(self.flat)
         self.state = UnitState.UNSHARDED
 
-    def _gather_into(self, full: torch.Tensor) -> None:
-        futures = [self.store.fetch(c.param_key, Tier.DEVICE) for c in self.chunks]  # all in flight at once
-        for chunk, future in zip(self.chunks, futures, strict=True):
+    def _gather_into(self, full: torch.Tensor, window: int = 2) -> None:
+        """Chunk by chunk, with `window` fetches in flight: the device holds a few chunks of a large
+        unit's shard at a time, never all of it."""
+        futures = {}
+        for i, chunk in enumerate(self.chunks):
+            for ahead in self.chunks[i : i + window]:
+                if ahead.index not in futures:
+                    futures[ahead.index] = self.store.fetch(ahead.param_key, Tier.DEVICE)
             t0 = time.perf_counter()
-            piece = future.result()
+            piece = futures.pop(chunk.index).result()
             self.wait_seconds += time.perf_counter() - t0
             try:
                 all_gather_chunk(full, piece, self.layout.shard, chunk.start, chunk.end, self.group)

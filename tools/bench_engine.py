@@ -95,8 +95,12 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> 
         from tools.gpt import init_fn
 
         with tempfile.TemporaryDirectory(dir=nvme_root) as d:
+            # Budgets for the reference case's memory target (peak RSS <= 1 GiB): the store pages
+            # everything else through NVMe.
             conf = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=d,
-                                  grad_clip=clip, prefetch_depth=2, io={"block_size": 8 << 20, "threads": 4})
+                                  grad_clip=clip, prefetch_depth=2, device_budget=256 << 20,
+                                  host_budget=256 << 20, sub_group_size=1 << 21,
+                                  io={"block_size": 8 << 20, "threads": 4})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
             for i, tokens in enumerate(data):
