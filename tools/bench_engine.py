@@ -68,7 +68,7 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
     return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": _peak_rss()}
 
 
-def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> dict:
+def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int) -> dict:
     """Median seconds of a training step of the preset GPT (fp32), plain or through the engine."""
     import runtime
     from tools.gpt import GPT, PRESETS
@@ -95,11 +95,10 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> 
         from tools.gpt import init_fn
 
         with tempfile.TemporaryDirectory(dir=nvme_root) as d:
-            # Budgets for the reference case's memory target (peak RSS <= 1 GiB): the store pages
-            # everything else through NVMe.
+            # DEVICE and HOST budgets of `budget` bytes each: the store pages the rest through NVMe.
             conf = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=d,
-                                  grad_clip=clip, prefetch_depth=2, device_budget=256 << 20,
-                                  host_budget=256 << 20, sub_group_size=1 << 21,
+                                  grad_clip=clip, prefetch_depth=2, device_budget=budget,
+                                  host_budget=budget, sub_group_size=1 << 21,
                                   io={"block_size": 8 << 20, "threads": 4})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
@@ -147,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, default=4)
     s.add_argument("--rounds", type=int, default=1)
     s.add_argument("--dir", default=".", help="where the NVMe swap files go")
+    s.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
     for q in (o, s):
         q.add_argument("--json", metavar="PATH")
     r = sub.add_parser("_run")
@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("plain", "nvme-noclip", "nvme-clip"):
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
                                                    "batch": args.batch, "steps": args.steps,
-                                                   "nvme_root": os.path.abspath(args.dir)})]))
+                                                   "nvme_root": os.path.abspath(args.dir),
+                                                   "budget": args.budget})]))
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == "plain")
-        print(f"{args.preset}, batch {args.batch}, fp32; median step of {args.steps} after a warm-up step:")
+        print(f"{args.preset}, batch {args.batch}, fp32, budgets {human_bytes(args.budget)}; "
+              f"median step of {args.steps} after a warm-up step:")
         for kind in ("plain", "nvme-noclip", "nvme-clip"):
             rs = [r for r in results if r["kind"] == kind]
             step = statistics.median(r["step_s"] for r in rs)
