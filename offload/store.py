@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,6 +30,7 @@ from offload.device_memory import CudaMemory
 from offload.errors import OutOfBudgetError, StorageError
 from offload.handle import Handle
 from offload.io_config import IOConfig, round_up
+from offload.prefetch import PrefetchQueue
 from offload.residency import MOVING, STABLE, TIER_OF, KeyRecord, Move, Residency, Tier
 from offload.swap_file import SwapFile
 
@@ -86,9 +87,8 @@ class TieredStore:
         self._counts: Counter[str] = Counter()
         self._freeing = {Tier.HOST: 0, Tier.DEVICE: 0}  # bytes of write-backs in flight, per tier
         self._writes: set[Handle] = set()  # put and write-back handles flush() has not seen yet
-        self._prefetch_queue: deque[tuple[str, Tier]] = deque()
-        self._prefetch_inflight = 0
-        self._prefetch_limit = prefetch_bytes if prefetch_bytes is not None else max(host_budget, device_budget) // 2
+        self._prefetch = PrefetchQueue(prefetch_bytes if prefetch_bytes is not None
+                                       else max(host_budget, device_budget) // 2)
         self._last_writeback_error: BaseException | None = None
         self._closed = False
 
@@ -155,7 +155,7 @@ class TieredStore:
             self._check_open()
             for key in keys:
                 self._record(key)
-                self._prefetch_queue.append((key, tier))
+                self._prefetch.add(key, tier)
             self._pump_prefetch()
 
     def release(self, key: str, *, dirty: bool = False) -> None:
@@ -250,7 +250,7 @@ class TieredStore:
         finally:
             with self._cond:
                 self._closed = True
-                self._prefetch_queue.clear()
+                self._prefetch.clear()
             self._movers.shutdown(wait=True)
             self._write_queue.put(None)
             self._writer.join()
@@ -564,25 +564,16 @@ class TieredStore:
     # -- prefetch ---------------------------------------------------------------------------------
 
     def _pump_prefetch(self) -> None:
-        """Start queued prefetches while the bytes in flight stay under the limit."""
-        while self._prefetch_queue and not self._closed:
-            key, tier = self._prefetch_queue[0]
-            rec = self._records.get(key)
-            if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
-                self._prefetch_queue.popleft()  # gone, busy, already there, or in use elsewhere
-                continue
-            if self._prefetch_inflight and self._prefetch_inflight + rec.nbytes > self._prefetch_limit:
-                return
-            self._prefetch_queue.popleft()
-            self._counts["prefetch_issued"] += 1
-            future = self._start_move(rec, tier, by_prefetch=True)
-            if not future.done():
-                self._prefetch_inflight += rec.nbytes
-                future.add_done_callback(lambda _, n=rec.nbytes: self._prefetch_landed(n))
+        if not self._closed:
+            self._prefetch.pump(self._records, self._start_prefetch, self._prefetch_landed)
+
+    def _start_prefetch(self, rec: KeyRecord, tier: Tier) -> Future:
+        self._counts["prefetch_issued"] += 1
+        return self._start_move(rec, tier, by_prefetch=True)
 
     def _prefetch_landed(self, nbytes: int) -> None:
         with self._cond:
-            self._prefetch_inflight -= nbytes
+            self._prefetch.inflight -= nbytes
             self._pump_prefetch()
 
     # -- helpers ----------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_in_flight_prefetch_bytes_stay_bounded(make_store):
 
     def watch():
         while not stop.is_set():
-            seen.append(store._prefetch_inflight)
+            seen.append(store._prefetch.inflight)
 
     w = threading.Thread(target=watch)
     w.start()

@@ -1,0 +1,46 @@
+"""The prefetch queue: moves asked for ahead of use, started in order, bounded by bytes in flight.
+
+The store owns the queue and calls it under its lock; the queue decides which request starts next
+and keeps the in-flight count, the store performs the moves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from offload.residency import STABLE, KeyRecord, Tier
+
+
+class PrefetchQueue:
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.inflight = 0
+        self._queue: deque[tuple[str, Tier]] = deque()
+
+    def add(self, key: str, tier: Tier) -> None:
+        self._queue.append((key, tier))
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def pump(self, records: dict[str, KeyRecord], start: Callable[[KeyRecord, Tier], Future],
+             landed: Callable[[int], None]) -> None:
+        """Start queued requests while in-flight bytes stay under the limit (one always may start).
+
+        Requests for keys that are gone, busy, already there or in use elsewhere are dropped.
+        """
+        while self._queue:
+            key, tier = self._queue[0]
+            rec = records.get(key)
+            if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
+                self._queue.popleft()
+                continue
+            if self.inflight and self.inflight + rec.nbytes > self.limit:
+                return
+            self._queue.popleft()
+            future = start(rec, tier)
+            if not future.done():  # a zero-copy hand-over lands at once and holds nothing in flight
+                self.inflight += rec.nbytes
+                future.add_done_callback(lambda _, n=rec.nbytes: landed(n))
