@@ -63,8 +63,10 @@ class Engine:
                  device: str | torch.device | None = None, init_fn=None, seed: int = 0) -> None:
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)  # NCCL and object collectives use the current device
         self.group: Group = init_group(self.device)
         self.dtype = DTYPES[config.dtype]
         self.hp = optimizer or AdamW(**config.optimizer)
@@ -296,7 +298,8 @@ class Engine:
 
     def _global_norm(self) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow."""
-        total = torch.tensor([sum(self._sqnorm.values()), float(self._overflow)], dtype=torch.float64)
+        total = torch.tensor([sum(self._sqnorm.values()), float(self._overflow)], dtype=torch.float64,
+                             device=self.device)  # NCCL reduces device tensors only
         all_reduce_sum(total, self.group)
         overflow = bool(total[1] > 0) or not math.isfinite(float(total[0]))
         norm = math.sqrt(float(total[0])) if not overflow else float("inf")
