@@ -93,4 +93,7 @@ def write_param_chunk(chunk: Chunk, store: TieredStore, place: Placement, master
         with torch.no_grad():
             unit.flat[chunk.start : chunk.end].copy_(master)
         return
-    store.put(chunk.param_key, master.to(unit.dtype), place.param_tier)
+    # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward reads
+    # them from memory, and only eviction under pressure writes them to the swap file.
+    tier = Tier.HOST if place.param_tier == Tier.NVME else place.param_tier
+    store.put(chunk.param_key, master.to(unit.dtype), tier)
