@@ -33,6 +33,7 @@ from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatte
 from runtime.config import Config
 from runtime.flat_unit import FlatUnit, Layout, UnitState
 from runtime.hooks import register_grad_hook, register_unit_hooks
+from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
 from runtime.optimizer import AdamW, Placement, initial_state, update_chunks
@@ -62,6 +63,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn=None, seed: int = 0) -> None:
         self.config = config
+        pin_mmap_threshold()  # see runtime/host_heap.py: RSS follows the budgets, not malloc's timing
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda":
             if self.device.index is None:
