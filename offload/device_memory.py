@@ -66,19 +66,24 @@ class CudaMemory:
     def to_device(self, src: HostBuffer, dst: DeviceBuffer, nbytes: int) -> None:
         """Copy host -> device on the copy stream and wait for it; see [Note: CUDA streams]."""
         n = round_up(nbytes)
-        with torch.cuda.stream(self.stream):
-            dst.tensor[:n].copy_(src.tensor[:n], non_blocking=src.pinned)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()
+        self._on_copy_stream(lambda: dst.tensor[:n].copy_(src.tensor[:n], non_blocking=src.pinned))
         dst.tensor.record_stream(torch.cuda.default_stream(self.device))
 
     def to_host(self, src: DeviceBuffer, dst: HostBuffer, nbytes: int) -> None:
         """Copy device -> host after everything queued on the default stream, and wait for it."""
         n = round_up(nbytes)
         self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        self._on_copy_stream(lambda: dst.tensor[:n].copy_(src.tensor[:n], non_blocking=dst.pinned))
+
+    def fill(self, dst: DeviceBuffer, tensor: torch.Tensor) -> None:
+        """Copy a caller's tensor (any device) in, after the caller's queued work, and wait for it."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._on_copy_stream(lambda: dst.fill_from(tensor.to(self.device)))
+        dst.tensor.record_stream(torch.cuda.default_stream(self.device))
+
+    def _on_copy_stream(self, copy) -> None:
         with torch.cuda.stream(self.stream):
-            dst.tensor[:n].copy_(src.tensor[:n], non_blocking=dst.pinned)
+            copy()
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 
 class Handle:
@@ -56,3 +57,17 @@ class Handle:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
+
+
+def done_future(value) -> Future:
+    """A Future that already holds `value`."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def handle_of(future: Future) -> Handle:
+    """A Handle that completes (with the future's error, if any) when `future` does."""
+    h = Handle()
+    future.add_done_callback(lambda f: h.set_done(f.exception()))
+    return h

@@ -28,7 +28,7 @@ from offload.buffer_pool import HostBufferPool
 from offload.buffers import Buffer, HostBuffer
 from offload.device_memory import CudaMemory
 from offload.errors import OutOfBudgetError, StorageError
-from offload.handle import Handle
+from offload.handle import Handle, done_future, handle_of
 from offload.io_config import IOConfig, round_up
 from offload.prefetch import PrefetchQueue
 from offload.residency import MOVING, STABLE, TIER_OF, KeyRecord, Move, Residency, Tier
@@ -39,18 +39,6 @@ log = logging.getLogger(__name__)
 
 class _PrefetchDropped(StorageError):
     """A prefetch found no room and nobody waits for it: it is dropped, not an error."""
-
-
-def _done_future(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
-def _handle_of(future: Future) -> Handle:
-    h = Handle()
-    future.add_done_callback(lambda f: h.set_done(f.exception()))
-    return h
 
 
 class TieredStore:
@@ -191,7 +179,7 @@ class TieredStore:
             if rec.tier <= to:
                 return Handle.completed()
             if to == Tier.HOST:
-                return _handle_of(self._start_move(rec, Tier.HOST, by_prefetch=False))
+                return handle_of(self._start_move(rec, Tier.HOST, by_prefetch=False))
             staging = None
             if rec.dirty and not isinstance(rec.buffer, HostBuffer):  # CUDA: stage through HOST
                 staging = self._reserve(Tier.HOST, rec.nbytes, rec)
@@ -275,7 +263,7 @@ class TieredStore:
                 if rec.prefetched:
                     self._counts["prefetch_hits"] += 1
             rec.prefetched = False
-            return _done_future(rec.view())
+            return done_future(rec.view())
         move = rec.move
         if move is None:
             future = self._start_move(rec, tier, by_prefetch=False)
@@ -307,7 +295,7 @@ class TieredStore:
         assert rec.move is None and rec.tier is not None and rec.tier != tier
         if self._zero_copy and rec.tier != Tier.NVME and self._hand_over(rec, tier):
             rec.prefetched = by_prefetch and rec.pins == 0
-            return _done_future(rec.view())
+            return done_future(rec.view())
         move = rec.move = Move(rec.state, tier, by_prefetch=by_prefetch)
         rec.to(MOVING[tier])
         self._movers.submit(self._run_move, rec, move)
@@ -457,7 +445,7 @@ class TieredStore:
         rec.to(Residency.TO_NVME)
         self._freeing[tier] += rec.buffer.capacity
         self._write_queue.put((rec, move, tier, rec.buffer, staging))
-        done = _handle_of(move.future)
+        done = handle_of(move.future)
         self._writes.add(done)
         return done
 
@@ -619,15 +607,8 @@ class TieredStore:
         """Copy a caller's tensor in (any device); lock not held."""
         if isinstance(buf, HostBuffer):
             buf.fill_from(tensor)  # from CUDA this is a synchronous device-to-host copy
-            return
-        stream = self._dev.stream  # see [Note: CUDA streams] in device_memory.py
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            buf.fill_from(tensor.to(self.device))
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
-        buf.tensor.record_stream(torch.cuda.default_stream(self.device))
+        else:
+            self._dev.fill(buf, tensor)
 
     def _check_open(self) -> None:
         if self._closed:
