@@ -85,7 +85,7 @@ class Engine:
         self._overflow = False
         self._pending_updates: list[Future] = []
         self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
-        self._opt_wait = 0.0
+        self._opt_seconds = 0.0  # time spent in optimizer updates (either path)
         self._state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
         plans = plan_units(model, config.unit_classes)
@@ -184,7 +184,7 @@ class Engine:
         s = self.store.stats()
         fetches = max(1, s["fetches"])
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
-                 optimizer_wait_seconds=self._opt_wait, units=len(self.units), step=self.global_step,
+                 optimizer_seconds=self._opt_seconds, units=len(self.units), step=self.global_step,
                  trace_divergences=self.trace.divergences)
         return s
 
@@ -277,9 +277,10 @@ class Engine:
         for c in unit.chunks:
             update_chunks([c], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
         unit.opt_steps += 1
-        self._opt_wait += time.perf_counter() - t0
+        self._opt_seconds += time.perf_counter() - t0
 
     def _run_updates(self, coef: float) -> None:
+        t0 = time.perf_counter()
         units = [u for u in self.units if u.index in self._have_grad]
         order = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
@@ -292,6 +293,7 @@ class Engine:
                 update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
         for u in units:
             u.opt_steps += 1
+        self._opt_seconds += time.perf_counter() - t0
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
