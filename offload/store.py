@@ -225,6 +225,10 @@ class TieredStore:
         out["prefetch_misses"] = out["misses"]
         return out
 
+    def __contains__(self, key: str) -> bool:
+        with self._cond:
+            return key in self._records
+
     def keys(self) -> list[str]:
         with self._cond:
             return list(self._records)

@@ -46,8 +46,16 @@ def _gather(engine: Engine, value):
 
 
 def _layout(engine: Engine) -> list[dict]:
+    """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
+    needs to rebuild the model's tensors from the rank files without the model)."""
     return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
-             "chunks": [[c.start, c.end] for c in u.chunks]} for u in engine.units]
+             "chunks": [[c.start, c.end] for c in u.chunks],
+             "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
+                        for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)]}
+            for u in engine.units]
+
+
+BUFFER_PREFIX = "buffer."  # model buffers (running statistics and the like) ride in every rank's file
 
 
 def _fsync_dir(path: str) -> None:
@@ -74,19 +82,24 @@ def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
     path = os.path.join(tmp, name)
     store, place = engine.store, engine.place
     chunks = [c for u in engine.units for c in u.chunks]
-    writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks])
+    buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in engine.model.state_dict().items()}
+    writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
+                               + [(k, v.dtype, tuple(v.shape)) for k, v in buffers.items()])
     for c in chunks:
         state = store.fetch(c.opt_key, place.work_tier).result()
         try:
             writer.write(c.opt_key, state)
         finally:
             store.release(c.opt_key)
+    for k, v in buffers.items():
+        writer.write(k, v)
     writer.close()
     crcs = _gather(engine, (name, f"{file_crc32(path):08x}"))
     if engine.group.rank == 0:
         meta = {"format": FORMAT, "tag": tag, "step": engine.global_step, "world_size": engine.group.world,
                 "lr": engine.lr, "loss_scale": engine.scaler.state_dict(), "config": engine.config.to_dict(),
-                "units": _layout(engine), "unit_steps": [u.opt_steps for u in engine.units], "files": dict(crcs)}
+                "units": _layout(engine), "unit_steps": [u.opt_steps for u in engine.units],
+                "state_dict_keys": engine._state_dict_keys, "files": dict(crcs)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
             f.flush()
@@ -116,7 +129,7 @@ def resolve_tag(directory: str, tag: str | None) -> str:
         with open(latest) as f:
             return f.read().strip()
     except OSError as e:
-        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; pass tag= explicitly.") from e
+        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; name a tag (tag=..., or --tag on the command line).") from e
 
 
 def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> dict:
@@ -159,6 +172,9 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
                 write_param_chunk(c, store, place, state[: c.numel])
             if u.resident:
                 u.refresh_resident()
+        buffers = {k[len(BUFFER_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(BUFFER_PREFIX)}
+    if buffers:
+        engine.model.load_state_dict(buffers, strict=False)
     for u, steps in zip(engine.units, meta["unit_steps"], strict=True):
         u.opt_steps = int(steps)
     engine.global_step = int(meta["step"])

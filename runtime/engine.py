@@ -36,6 +36,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
+from runtime.memory_plan import MemoryPlan, plan_memory
 from runtime.optimizer import AdamW, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
@@ -86,18 +87,19 @@ class Engine:
         self._pending_updates: list[Future] = []
         self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
         self._opt_seconds = 0.0  # time spent in optimizer updates (either path)
+        self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
         plans = plan_units(model, config.unit_classes)
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self._elem = torch.empty(0, dtype=self.dtype).element_size()
         layouts = [Layout.of(p, self.group.world, elem) for p in plans]
         self._owned_dir = None
         nvme_dir = config.nvme_dir
         if nvme_dir is None:  # nothing rests on NVMe; the store still wants a scratch directory
             nvme_dir = self._owned_dir = tempfile.mkdtemp(prefix="outcore-")
-        device_budget, host_budget = self._budgets(layouts, elem)
+        device_budget, host_budget = self._budgets(layouts)
         self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
                                  prefetch_bytes=device_budget // 2)
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
@@ -126,6 +128,7 @@ class Engine:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit
                 self._reshard_all()
+                self.trace.discard_step()
 
     def _reshard_all(self) -> None:
         for u in self.units:
@@ -185,7 +188,8 @@ class Engine:
         fetches = max(1, s["fetches"])
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
                  optimizer_seconds=self._opt_seconds, units=len(self.units), step=self.global_step,
-                 trace_divergences=self.trace.divergences)
+                 trace_divergences=self.trace.divergences,
+                 gathered={"bytes": self._gathered_bytes(), "peak": self._gathered_peak})
         return s
 
     def close(self) -> None:
@@ -203,6 +207,7 @@ class Engine:
         if self.phase is Phase.FORWARD:
             self._prefetch(self.trace.visit("forward", unit.index))
         unit.unshard()
+        self._note_gathered()
         unit.bind_views()
 
     def unit_forward_end(self, unit: FlatUnit) -> None:
@@ -212,6 +217,7 @@ class Engine:
     def unit_backward_start(self, unit: FlatUnit) -> None:
         self._prefetch(self.trace.visit("backward", unit.index))
         unit.unshard()
+        self._note_gathered()
 
     def unit_grad_ready(self, unit: FlatUnit) -> None:
         """The unit's flat gradient is complete: reduce to this rank's fp32 shard and accumulate."""
@@ -250,6 +256,13 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _gathered_bytes(self) -> int:
+        return sum(u.flat.untyped_storage().nbytes() for u in self.units
+                   if u.state is UnitState.UNSHARDED and not u.aliased)
+
+    def _note_gathered(self) -> None:
+        self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
+
     def _prefetch(self, unit_indices: list[int]) -> None:
         """Start bringing the parameter shards of the units expected next onto the device."""
         keys = [c.param_key for i in unit_indices
@@ -262,7 +275,8 @@ class Engine:
         for u in self.units:  # gradients are spent (or abandoned): never write them back anywhere
             if u.index in self._have_grad:
                 for c in u.chunks:
-                    self.store.delete(c.grad_key)
+                    if c.grad_key in self.store:  # an update already dropped it
+                        self.store.delete(c.grad_key)
         self._micro = 0
         self._have_grad.clear()
         self._sqnorm.clear()
@@ -273,9 +287,9 @@ class Engine:
         return self.config.grad_clip is None and not self.scaler.enabled
 
     def _update(self, unit: FlatUnit, coef: float) -> None:
+        """One unit's update on the optimizer thread, while backward goes on."""
         t0 = time.perf_counter()
-        for c in unit.chunks:
-            update_chunks([c], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+        self._stream_updates(unit.chunks, coef)
         unit.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
@@ -286,14 +300,20 @@ class Engine:
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
             update_chunks(order, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
         else:
-            depth = max(1, self.config.prefetch_depth)
-            for i, chunk in enumerate(order):
-                ahead = order[i + 1 : i + 1 + depth]
-                self.store.prefetch([k for c in ahead for k in (c.opt_key, c.grad_key)], self.place.work_tier)
-                update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            self._stream_updates(order, coef)
         for u in units:
             u.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
+
+    def _stream_updates(self, order: list, coef: float) -> None:
+        """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier."""
+        depth = max(1, self.config.prefetch_depth)
+        streaming = self.place.opt_tier != self.place.work_tier
+        for i, chunk in enumerate(order):
+            if streaming:
+                ahead = order[i + 1 : i + 1 + depth]
+                self.store.prefetch([k for c in ahead for k in (c.opt_key, c.grad_key)], self.place.work_tier)
+            update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
@@ -344,38 +364,32 @@ class Engine:
                 if buf is not None and buf.device != self.device:
                     module._buffers[name] = buf.to(self.device)
 
-    def _budgets(self, layouts: list[Layout], elem: int) -> tuple[int, int]:
-        """Budgets from the config, or derived from the layout and the machine; checked against the
-        smallest working set (a few optimizer chunks, a few parameter chunks) so that a budget too
-        small fails here, with the number that would work."""
-        depth = max(1, self.config.prefetch_depth)
-        page = 4096
-        shards = [lay.shard for lay in layouts]
-        chunk = min(self.config.sub_group_size, max(shards))
-        total, largest = sum(shards), max(shards)
-        keys = sum(-(-s // chunk) for s in shards)
-        param_all = total * elem + keys * page
-        state_all = total * 12 + keys * page
-        grad_all = total * 4 + keys * page
-        p = self.place
-        # DEVICE: every shard when parameters rest there, else the prefetch window of whole units.
-        dev = param_all if p.param_tier == Tier.DEVICE else (depth + 1) * (largest * elem + page)
-        dev_min = dev if p.param_tier == Tier.DEVICE else 4 * (chunk * elem + page)
-        host = param_all if p.param_tier == Tier.HOST else 0
-        host_min = host + (chunk * elem + page if p.param_tier == Tier.NVME else 0)
-        opt_window = (depth + 2) * (chunk * 16 + 2 * page)  # read ahead, update, write back
-        if p.work_tier == Tier.DEVICE:
-            dev += state_all + grad_all + chunk * 16 + 2 * page  # + one key being replaced
-            dev_min = dev
-        else:
-            host += (state_all if p.opt_tier == Tier.HOST else opt_window) + grad_all + chunk * 16 + 2 * page
-            host_min += state_all if p.opt_tier == Tier.HOST else opt_window
-        device_budget = self.config.device_budget or max(dev, dev_min)
-        host_budget = self.config.host_budget or max(host_min, min(host, psutil.virtual_memory().available // 2))
-        if device_budget < dev_min:
+    def memory_plan(self) -> MemoryPlan:
+        """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
+        return self._plan([u.layout for u in self.units])
+
+    def _plan(self, layouts: list[Layout]) -> MemoryPlan:
+        c = self.config
+        return plan_memory([lay.shard for lay in layouts], [lay.padded for lay in layouts], elem=self._elem,
+                           world=self.group.world, stage=c.stage, offload_params=c.offload_params,
+                           offload_optimizer=c.offload_optimizer, prefetch_depth=c.prefetch_depth,
+                           sub_group_size=c.sub_group_size, fp32=self.dtype == torch.float32,
+                           overlapped=self._overlapped())
+
+    def _budgets(self, layouts: list[Layout]) -> tuple[int, int]:
+        """Budgets from the config, or derived from the memory plan and the machine; checked against
+        the smallest working set, so that a budget too small fails here with the number that works."""
+        c = self.config
+        plan = self._plan(layouts)
+        dev = plan.device.states + plan.device.runtime
+        host = plan.host.states + plan.host.runtime
+        device_budget = c.device_budget or max(dev, plan.device_min)
+        host_budget = c.host_budget or max(plan.host_min, min(host, psutil.virtual_memory().available // 2))
+        if device_budget < plan.device_min:
             raise ValueError(f"device_budget={device_budget:,} bytes cannot hold what must stay on the device "
-                             f"({dev_min:,} bytes for this model and offload setting); raise it or offload more.")
-        if host_budget < host_min:
+                             f"({plan.device_min:,} bytes for this model and offload setting); raise it or offload "
+                             "more.")
+        if host_budget < plan.host_min:
             raise ValueError(f"host_budget={host_budget:,} bytes cannot hold the optimizer's working set "
-                             f"({host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
-        return device_budget, max(host_budget, page)
+                             f"({plan.host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
+        return device_budget, max(host_budget, 4096)

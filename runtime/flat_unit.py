@@ -45,9 +45,14 @@ class Layout:
         for s in plan.slots:
             offsets.append(n)
             n += s.numel
-        align = world * max(1, 4096 // elem_size)  # each shard a whole number of pages
-        padded = -(-max(n, 1) // align) * align
+        padded = padded_numel(n, world, elem_size)
         return cls(tuple(offsets), n, padded, padded // world)
+
+
+def padded_numel(numel: int, world: int, elem_size: int) -> int:
+    """A unit's flat buffer length: split evenly across ranks, each shard a whole number of pages."""
+    align = world * max(1, 4096 // elem_size)
+    return -(-max(numel, 1) // align) * align
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -102,6 +107,11 @@ class FlatUnit:
         self.master_is_param = False
         self.wait_seconds = 0.0  # time spent waiting for the store
         self.opt_steps = 0  # optimizer updates this unit has taken (AdamW bias correction)
+
+    @property
+    def aliased(self) -> bool:
+        """The flat buffer is the stored shard itself (not a gathered copy)."""
+        return self._aliased
 
     @property
     def name(self) -> str:

@@ -54,7 +54,8 @@ def initial_state(master: torch.Tensor) -> torch.Tensor:
 
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
                   grad_scale: float) -> None:
-    """Read the chunks' states and gradients, update them in one fused call, write everything back.
+    """Read the chunks' states and gradients, update them in one fused call, write the states back
+    and drop the gradients.
 
     Streaming from HOST or NVMe passes one chunk at a time (the store prefetches the next ones);
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
@@ -79,6 +80,8 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
         for c in chunks:
             store.release(c.grad_key)
             store.release(c.opt_key, dirty=True)
+    for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
+        store.delete(c.grad_key)
     if place.opt_tier == Tier.NVME:
         for c in chunks:
             store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next

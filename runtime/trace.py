@@ -46,3 +46,8 @@ class Trace:
             self.recorded = {p: list(v) for p, v in self._current.items()}
         self._current = {"forward": [], "backward": []}
         self._diverged = False
+
+    def discard_step(self) -> None:
+        """Forget a forward-only pass (evaluation): it records nothing and the next step starts fresh."""
+        self._current = {"forward": [], "backward": []}
+        self._diverged = False

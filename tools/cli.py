@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from tools.units import human_bytes, parse_list, parse_size
+from tools.gpt import PRESETS
+from tools.units import human_bytes, parse_count, parse_list, parse_size
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+OFFLOADS = ("none", "cpu", "nvme")
+PRESET_NAMES = [name for name in PRESETS if not name.startswith("bench")]
 
 
 class UsageError(Exception):
@@ -44,10 +48,59 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.set_defaults(run=_bench_disk)
 
-    for name, what in (("train", "train a GPT on a text file or the built-in corpus"),
-                       ("tune", "sweep prefetch and I/O settings on the real model"),
-                       ("estimate", "per-tier bytes per rank for a model size"),
-                       ("export", "consolidate a sharded checkpoint into safetensors")):
+    t = sub.add_parser("train", help="train a GPT on a text file or the built-in stdlib corpus")
+    t.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
+    t.add_argument("--config", help="a runtime.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
+    t.add_argument("--steps", type=int, help="optimizer steps (default 300 for tiny, else 1000)")
+    t.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
+    t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
+    t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
+    t.add_argument("--offload-optimizer", choices=OFFLOADS)
+    t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
+    t.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
+    t.add_argument("--seq", type=int, help="context length (default: the preset's)")
+    t.add_argument("--lr", type=float, help="peak learning rate (default by preset)")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 turns it off (default 1.0)")
+    t.add_argument("--host-budget", type=parse_size, help="bytes of host memory for the store (default: derived)")
+    t.add_argument("--device-budget", type=parse_size)
+    t.add_argument("--prefetch-depth", type=int)
+    t.add_argument("--eval-every", type=int, help="steps between validation losses (default: 5 per run)")
+    t.add_argument("--eval-batches", type=int, default=4)
+    t.add_argument("--save-every", type=int, help="also checkpoint every N steps (the last step always is)")
+    t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
+                   help="recompute blocks in backward (default: on for 24 layers and more)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")
+    t.set_defaults(run=_train)
+
+    e = sub.add_parser("estimate", help="per-tier bytes per rank for a model, stage and offload setting")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--params", type=parse_count, help="parameter count, e.g. 13B (a GPT of that size)")
+    which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    e.add_argument("--stage", type=int, choices=(1, 2, 3))
+    e.add_argument("--offload-params", choices=OFFLOADS)
+    e.add_argument("--offload-optimizer", choices=OFFLOADS)
+    e.add_argument("--prefetch-depth", type=int, default=2)
+    e.add_argument("--sub-group-size", type=parse_count, default=1 << 22, help="elements per optimizer chunk")
+    e.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (gradients then stream)")
+    e.add_argument("--json", metavar="PATH")
+    e.set_defaults(run=_estimate)
+
+    x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
+    x.add_argument("checkpoint", help="a checkpoint directory (its latest tag is used) or a tag folder")
+    x.add_argument("out", help="the .safetensors file to write")
+    x.add_argument("--tag", help="which tag of the checkpoint directory (default: latest)")
+    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype (default: the run's)")
+    x.add_argument("--no-verify", action="store_true", help="skip the crc32 check of the rank files")
+    x.add_argument("--json", metavar="PATH")
+    x.set_defaults(run=_export)
+
+    for name, what in (("tune", "sweep prefetch and I/O settings on the real model"),):
         s = sub.add_parser(name, help=what)
         s.add_argument("rest", nargs=argparse.REMAINDER)
         s.set_defaults(run=_not_built, name=name)
@@ -96,6 +149,78 @@ def _bench_disk(args: argparse.Namespace) -> int:
         print("note: could not drop the global page cache (needs root); the file itself was evicted with fadvise")
     slots = human_bytes(res["largest_host_buffers_bytes"])
     print(f"peak RSS {human_bytes(res['peak_rss_bytes'])} (largest I/O slots {slots})")
+    write_json(args.json, res)
+    return EXIT_OK
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tools.report import write_json
+    from tools.train import TrainOptions, train
+
+    if args.resume and not os.path.exists(os.path.join(args.out, "checkpoints", "latest")):
+        raise UsageError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')!r}; "
+                         "run without --resume first, or point --out at the earlier run.")
+    opts = TrainOptions(preset=args.preset, config=args.config, steps=args.steps, data=args.data, out=args.out,
+                        nvme_dir=args.nvme_dir, offload_params=args.offload_params,
+                        offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
+                        lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,
+                        device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
+                        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+                        save_final=not args.no_save, resume=args.resume,
+                        checkpoint_activations=args.checkpoint_activations, seed=args.seed)
+    try:
+        summary = train(opts, report=lambda line: print(line, flush=True))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    write_json(args.json, summary)
+    return EXIT_OK
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from tools.estimate import estimate_table, legal_settings
+    from tools.model_source import resolve_model, synthetic_unit_numels, unit_numels
+    from tools.report import table, write_json
+
+    try:
+        if args.params:
+            units, shape = synthetic_unit_numels(args.params)
+            what = (f"a GPT of {sum(units) / 1e9:.2f}B parameters ({shape.layers} layers, d_model {shape.d_model}, "
+                    f"vocab {shape.vocab})")
+        else:
+            units = unit_numels(resolve_model(args.model))
+            what = f"{args.model} ({sum(units) / 1e9:.3f}B parameters)"
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    settings = legal_settings(args.stage, args.offload_params, args.offload_optimizer)
+    if not settings:
+        raise UsageError("no legal setting matches: parameter offload needs --stage 3.")
+    rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, prefetch_depth=args.prefetch_depth,
+                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None)
+    print(f"{what}, {args.dtype}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
+    table(["stage", "params", "optimizer", "device", "host", "nvme", "min device", "min host"],
+          [[r["stage"], r["offload_params"], r["offload_optimizer"], human_bytes(r["device"]["total"]),
+            human_bytes(r["host"]["total"]), human_bytes(r["nvme"]["total"]), human_bytes(r["device_min"]),
+            human_bytes(r["host_min"])] for r in rows])
+    print("device and host include the runtime's buffers (prefetch window, gathered units, gradients, "
+          "optimizer pipeline);")
+    print("activations are the model's and not counted. On a CPU-only machine device and host are both RAM.")
+    print("'min' is the smallest budget the engine accepts; between min and the estimate it evicts more.")
+    write_json(args.json, {"model": what, "dtype": args.dtype, "world_size": args.world_size, "units": units,
+                           "rows": rows})
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tools.export import export_checkpoint
+    from tools.report import write_json
+
+    try:
+        res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {res['out']}: {res['tensors']} tensors, {human_bytes(res['bytes'])}, {res['dtype']}, "
+          f"step {res['step']} of {res['checkpoint']}; peak working memory one parameter "
+          f"({human_bytes(res['largest_parameter_bytes'])} in fp32)")
     write_json(args.json, res)
     return EXIT_OK
 

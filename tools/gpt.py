@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, checkpoint_activations: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_activations = checkpoint_activations  # keep block inputs only; recompute in backward
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
@@ -92,7 +94,10 @@ class GPT(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

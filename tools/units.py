@@ -1,4 +1,4 @@
-"""Byte sizes as people write them on a command line: 4G, 512M, 128K, 13B (billions) for counts."""
+"""Sizes as people write them on a command line: bytes (4G, 512M, 128K) and counts (125M, 13B)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,22 @@ def parse_size(text: str) -> int:
     if unit not in _BINARY or value < 0:
         raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G")
     return int(value * _BINARY[unit])
+
+
+_COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """'13B' -> 13_000_000_000, '125M' -> 125_000_000 (decimal: parameter counts, not bytes)."""
+    s = text.strip().upper().replace("_", "")
+    unit = s[-1:] if s[-1:] in _COUNT and s[-1:] else ""
+    try:
+        value = float(s[: len(s) - len(unit)])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B") from None
+    if value <= 0:
+        raise ValueError(f"{text!r}: a parameter count must be positive")
+    return int(value * _COUNT[unit])
 
 
 def parse_list(text: str, parse=int) -> list:

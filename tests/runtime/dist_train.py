@@ -31,6 +31,7 @@ def main(out_path: str, config_json: str, steps: int) -> None:
         losses.append(mean.item() / world)
     swap_files = sorted(f for f in os.listdir(cfg.nvme_dir) if f.endswith(".swap"))
     sd = engine.full_state_dict()
+    engine.save_checkpoint(out_path + ".ckpt", "final")  # for the offline export check
     if rank == 0:
         torch.save(sd, out_path + ".pt")
         with open(out_path, "w") as f:

@@ -10,6 +10,9 @@ import pytest
 import torch
 from helpers import assert_losses_match, train_plain, twins
 from models import TinyGPT, batches
+from safetensors.torch import load_file
+
+from tools.export import export_checkpoint
 
 HERE = os.path.dirname(__file__)
 
@@ -40,3 +43,8 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     sd = torch.load(out + ".pt", weights_only=True)
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    # `outcore export` rebuilds the same tensors from the two rank files alone, without the model.
+    exported = load_file(export_checkpoint(out + ".ckpt", str(tmp_path / "model.safetensors"))["out"])
+    assert list(exported) == list(sd)
+    for k, v in sd.items():
+        assert torch.equal(exported[k], v), k

@@ -1,0 +1,117 @@
+"""Bytes per tier for one rank, from the unit layout and the config: what the engine sizes its
+budgets with, and what `outcore estimate` prints, so the two can never disagree.
+
+Three kinds of bytes:
+- states: model states at rest where the config puts them (parameter shards in the compute dtype,
+  fp32 [master|m|v] per chunk);
+- runtime: what the store holds while a step runs: the prefetch window of parameter shards,
+  fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
+  and updated parameter shards kept in HOST on their way to NVMe;
+- gathered: whole-unit parameter buffers outside the store (the units being computed under
+  ZeRO-3; every unit, whole, under stages 1 and 2). Activations are the model's and not counted.
+Every store key occupies whole pages, so counts are rounded per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PAGE = 4096
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    states: int = 0
+    runtime: int = 0
+    gathered: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.states + self.runtime + self.gathered
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: TierBytes
+    host: TierBytes
+    nvme: TierBytes
+    device_min: int  # the smallest device budget the engine can run with
+    host_min: int  # the smallest host budget
+
+    def as_dict(self) -> dict:
+        return {tier: {"states": b.states, "runtime": b.runtime, "gathered": b.gathered, "total": b.total}
+                for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}
+
+
+def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
+    """Elements of each optimizer chunk of one unit's shard (the engine's split)."""
+    step = shard if aliased else max(1, min(sub_group_size, shard))
+    return [min(step, shard - a) for a in range(0, shard, step)]
+
+
+def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, stage: int,
+                offload_params: str, offload_optimizer: str, prefetch_depth: int, sub_group_size: int,
+                fp32: bool, overlapped: bool) -> MemoryPlan:
+    """Per-rank bytes of every tier. `shards`/`padded`: elements of each unit's shard / whole buffer.
+    `overlapped`: each unit is updated (and its gradient dropped) as soon as its gradient is final,
+    so gradients of about one unit are alive at once instead of all of them until the step."""
+    depth = max(1, prefetch_depth)
+    params_on, opt_on = offload_params, offload_optimizer
+    work_on_device = opt_on == "none"
+    resident = stage < 3 or (world == 1 and params_on == "none")
+    aliased = world == 1 and resident and params_on == "none"
+    master_is_param = aliased and fp32 and opt_on == "none"
+    chunks = [unit_chunks(s, sub_group_size, aliased) for s in shards]
+    flat = [c for cs in chunks for c in cs]
+    chunk = max(flat)
+
+    param_all = 0 if master_is_param else sum(_pages(c * elem) for c in flat)
+    state_all = sum(_pages(c * 12) for c in flat)
+    grad_all = sum(_pages(c * 4) for c in flat)
+    if overlapped:
+        grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
+    param_chunk = _pages(chunk * elem)
+    replacing = 0 if master_is_param or aliased else param_chunk  # a new parameter chunk beside the old
+    largest_unit = max(_pages(s * elem) for s in shards)
+
+    dev = dict(states=0, runtime=0, gathered=0)
+    host = dict(states=0, runtime=0, gathered=0)
+    nvme = dict(states=0, runtime=0, gathered=0)
+    where = {"none": dev, "cpu": host, "nvme": nvme}
+    where[params_on]["states"] += param_all
+    where[opt_on]["states"] += state_all
+
+    if params_on == "none":
+        dev_min = param_all
+    else:  # prefetch window of whole units' shards, fetched a few chunks at a time
+        dev_min = 4 * (param_chunk + PAGE)
+        dev["runtime"] += max((depth + 1) * (largest_unit + PAGE), dev_min)
+    host_min = param_all if params_on == "cpu" else 0
+    if params_on == "nvme":
+        # Updated shards go to HOST and reach NVMe only when evicted: with room, HOST caches them all.
+        host["runtime"] += param_all
+        host_min += param_chunk + PAGE
+    work = dev if work_on_device else host
+    work["runtime"] += grad_all
+    where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
+    if work_on_device:
+        dev_min = param_all + state_all + dev["runtime"]
+    elif opt_on == "nvme":
+        # Read ahead, update, write back. During backward each unit streams on its own, so a unit
+        # of few chunks has fewer on the way.
+        ahead = depth if not overlapped else min(depth, max(len(cs) for cs in chunks) - 1)
+        window = (ahead + 1) * (_pages(chunk * 12) + PAGE)
+        host["runtime"] += window
+        host_min += window
+    else:
+        host_min += state_all
+    if not aliased:
+        full = [_pages(p * elem) for p in padded]
+        # Stages 1-2 keep every unit whole; ZeRO-3 holds the root unit (outside the repeated blocks,
+        # needed from the first forward to the last backward) and the block computing.
+        dev["gathered"] = sum(full) if resident else full[-1] + max(full[:-1], default=0)
+    return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min)

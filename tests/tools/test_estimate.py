@@ -1,0 +1,55 @@
+"""`outcore estimate` against the bytes a real engine reports on a small GPT."""
+
+import pytest
+import torch
+
+import runtime
+from offload import Tier
+from tools.estimate import estimate, legal_settings
+from tools.model_source import resolve_model, unit_numels
+
+SETTINGS = [(3, "nvme", "nvme", 1.0), (3, "nvme", "nvme", None), (3, "cpu", "cpu", 1.0), (3, "none", "none", 1.0),
+            (3, "none", "nvme", None), (2, "none", "cpu", 1.0), (3, "cpu", "nvme", 1.0)]
+
+
+def _within(measured: int, estimated: int, tol: float = 0.10) -> bool:
+    return abs(measured - estimated) <= tol * max(measured, estimated)
+
+
+@pytest.mark.parametrize(("stage", "params", "opt", "clip"), SETTINGS)
+def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
+    source = resolve_model("tiny")
+    with runtime.deferred_init():
+        model = source.build()
+    config = runtime.Config(stage=stage, offload_params=params, offload_optimizer=opt, nvme_dir=str(tmp_path),
+                            dtype="fp32", grad_clip=clip)
+    engine = runtime.Engine(model, config, init_fn=source.init_fn)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randint(0, 256, (4, source.gpt.seq), generator=gen)
+            engine.backward(engine(x, x))
+            engine.step()
+        # Updated parameter shards wait in HOST until evicted; settle everything where it rests.
+        resting = {"param": params, "opt": opt}
+        for key in engine.store.keys():
+            kind = key.split(".")[1].rstrip("0123456789")
+            if resting.get(kind) == "nvme":
+                engine.store.evict(key, Tier.NVME).wait()
+        s = engine.stats()
+    finally:
+        engine.close()
+    plan = estimate(unit_numels(source), world=1, dtype="fp32", stage=stage, offload_params=params,
+                    offload_optimizer=opt, grad_clip=clip)
+    device = s["device"]["peak"] + s["gathered"]["peak"]
+    assert _within(device, plan.device.total), (device, plan.device)
+    assert _within(s["host"]["peak"], plan.host.total), (s["host"], plan.host)
+    assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
+
+
+def test_legal_settings_follow_the_config_rules():
+    all_ = legal_settings()
+    assert len(all_) == 15 and (3, "nvme", "nvme") in all_ and (2, "cpu", "none") not in all_
+    assert legal_settings(stage=3, offload_params="nvme") == [(3, "nvme", o) for o in ("none", "cpu", "nvme")]
+    for st, op, oo in all_:
+        runtime.Config(stage=st, offload_params=op, offload_optimizer=oo, nvme_dir="/tmp")  # accepted

@@ -1,0 +1,90 @@
+"""`outcore export`: a checkpoint, consolidated offline, loads into the plain model with equal logits."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import runtime
+from offload import StorageCorruptError
+from tools.cli import main
+from tools.export import export_checkpoint
+from tools.gpt import GPT, PRESETS, init_fn
+
+
+def _trained_engine(tmp_path, dtype="fp32", **cfg):
+    gpt = PRESETS["tiny"]
+    with runtime.deferred_init():
+        model = GPT(gpt)
+    config = runtime.Config(nvme_dir=str(tmp_path / "nvme"), dtype=dtype, sub_group_size=5000, **cfg)
+    engine = runtime.Engine(model, config, runtime.AdamW(lr=1e-3), init_fn=init_fn(gpt))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, 256, (2, 32), generator=gen)
+        engine.backward(engine(x, x))
+        engine.step()
+    return engine, gpt
+
+
+@pytest.mark.parametrize("offload", ["nvme", "none"])
+def test_export_loads_into_the_plain_model_with_equal_logits(tmp_path, offload):
+    engine, gpt = _trained_engine(tmp_path, offload_params=offload, offload_optimizer=offload)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            want = engine(x)
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "step3")
+        live = str(tmp_path / "live.safetensors")
+        engine.export(live)
+    finally:
+        engine.close()
+    out = str(tmp_path / "model.safetensors")
+    assert main(["export", str(tmp_path / "ckpt"), out]) == 0
+    plain = GPT(gpt)
+    plain.load_state_dict(load_file(out), strict=True)
+    with torch.no_grad():
+        assert torch.equal(plain(x), want)
+    assert load_file(out).keys() == load_file(live).keys()
+    assert all(torch.equal(a, b) for a, b in zip(load_file(out).values(), load_file(live).values(), strict=True))
+    assert not os.path.exists(out + ".tmp")
+
+
+def test_export_in_bf16_and_of_a_named_tag(tmp_path):
+    engine, _ = _trained_engine(tmp_path, dtype="bf16", offload_params="cpu", offload_optimizer="nvme")
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "a")
+        engine.backward(engine(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)))
+        engine.step()
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "b")
+        sd_b = engine.full_state_dict()
+    finally:
+        engine.close()
+    a = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "a.safetensors"), tag="a")
+    b = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "b.safetensors"))  # latest
+    assert a["step"] == 3 and b["step"] == 4 and b["dtype"] == "bf16"
+    got = load_file(b["out"])
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v) for k, v in sd_b.items())
+    full = export_checkpoint(str(tmp_path / "ckpt" / "b"), str(tmp_path / "b32.safetensors"), dtype="fp32")
+    assert load_file(full["out"])["tok.weight"].dtype == torch.float32
+
+
+def test_damaged_or_missing_checkpoints_are_refused_and_nothing_is_written(tmp_path, capsys):
+    engine, _ = _trained_engine(tmp_path)
+    try:
+        folder = engine.save_checkpoint(str(tmp_path / "ckpt"), "s")
+    finally:
+        engine.close()
+    rank0 = os.path.join(folder, "rank0.safetensors")
+    with open(rank0, "r+b") as f:
+        f.seek(os.path.getsize(rank0) // 2)
+        f.write(b"\x00\x01\x02\x03")
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(StorageCorruptError, match="rank0.safetensors"):
+        export_checkpoint(folder, str(out))
+    os.unlink(rank0)
+    assert main(["export", folder, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "rank0.safetensors" in err and "missing" in err
+    assert main(["export", str(tmp_path / "nowhere"), str(out)]) == 2
+    assert not out.exists() and not os.path.exists(str(out) + ".tmp")

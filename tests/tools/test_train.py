@@ -1,0 +1,90 @@
+"""`outcore train`: the main job, on the built-in corpus, with offload, resume and configs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import runtime
+from tools.cli import main
+from tools.train import TrainOptions, lr_at, train
+
+
+def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
+    out = tmp_path / "summary.json"
+    res = subprocess.run([sys.executable, "-m", "tools.cli", "train", "--preset", "tiny", "--steps", "30",
+                          "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 0, res.stderr[-2000:]
+    s = json.loads(out.read_text())
+    losses = s["losses"]
+    assert len(losses) == 30 and losses[0] > 5.0  # about ln(256) at the start
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    vals = [v for _, v in s["val_losses"]]
+    assert len(vals) == 5 and vals[-1] < vals[0]
+    last = res.stdout.strip().splitlines()[-1]
+    assert "done" in last and "peak RSS" in last and "0.8M params" in last
+    assert os.path.exists(tmp_path / "outcore-run" / "checkpoints" / "step30" / "meta.json")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]
+
+
+def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = dict(preset="tiny", offload_params="nvme", offload_optimizer="nvme", batch=4, eval_batches=1)
+    whole = train(TrainOptions(steps=8, out="whole", eval_every=100, **common), report=lambda _: None)
+
+    def crash_at_step_5(line: str) -> None:
+        if line.startswith("step 5/8"):
+            raise KeyboardInterrupt  # the run dies after step 5; its last checkpoint is step 4
+
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainOptions(steps=8, out="split", save_every=4, eval_every=5, **common), report=crash_at_step_5)
+    assert open("split/checkpoints/latest").read().strip() == "step4"
+    resumed = train(TrainOptions(steps=8, out="split", resume=True, eval_every=100, **common),
+                    report=lambda _: None)
+    assert resumed["start_step"] == 4
+    assert resumed["losses"] == whole["losses"][4:]  # bit for bit: same data, same states
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]  # scratch removed
+
+
+def test_config_file_and_text_data(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / "story.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 2000, encoding="utf-8")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("offload_params: cpu\noffload_optimizer: cpu\ngrad_clip: null\nprefetch_depth: 1\n")
+    s = train(TrainOptions(steps=12, config=str(cfg), data=str(text), batch=4, save_final=False),
+              report=lambda _: None)
+    assert s["offload_params"] == "cpu" and s["config"]["grad_clip"] is None and s["config"]["prefetch_depth"] == 1
+    assert s["losses"][-1] < s["losses"][0] - 1.0  # a repetitive text is learned fast
+    assert not os.path.exists(tmp_path / "outcore-run")
+
+
+def test_learning_rate_warms_up_then_decays():
+    lrs = [lr_at(s, 200, 1e-3) for s in range(200)]
+    assert lrs[0] == pytest.approx(5e-5) and max(lrs) == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01) and lrs.index(max(lrs)) == 19
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--preset", "gpt-9t"], "gpt-9t"),
+    (["--resume"], "no checkpoint"),
+    (["--data", "missing.txt"], "missing.txt"),
+    (["--offload-params", "nvme", "--stage-typo"], "unrecognized"),
+])
+def test_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) if "--stage-typo" in argv else _nothing():
+        code = main(["train", "--steps", "1", *argv])
+        assert code == 2
+    assert message in capsys.readouterr().err
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

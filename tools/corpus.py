@@ -1,0 +1,115 @@
+"""Training text as byte tokens, read from disk on demand: a corpus is a list of file segments.
+
+The default corpus is the Python standard library's own source files on this machine (no
+download); `--data PATH` is any UTF-8 text file. Each is split into a training part and a
+held-out part, and batches are windows read with `os.pread` at random offsets: the loader holds
+the segment list and the batch it is building, never the text.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import sysconfig
+from dataclasses import dataclass
+
+import torch
+
+VOCAB = 256  # byte-level tokens
+HELD_OUT_EVERY = 20  # stdlib: every 20th file is held out
+HELD_OUT_FRACTION = 0.05  # a single file: its last 5% is held out
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: str
+    start: int
+    length: int
+
+
+class ByteCorpus:
+    """Segments of files read as one stream of bytes; windows may span segments."""
+
+    def __init__(self, segments: list[Segment], name: str) -> None:
+        self.segments = [s for s in segments if s.length > 0]
+        self.name = name
+        self._ends: list[int] = []
+        total = 0
+        for s in self.segments:
+            total += s.length
+            self._ends.append(total)
+        self.nbytes = total
+
+    def read(self, offset: int, n: int) -> bytes:
+        """`n` bytes from stream position `offset` (which must leave room for them)."""
+        out = bytearray()
+        i = bisect.bisect_right(self._ends, offset)
+        while len(out) < n:
+            seg = self.segments[i]
+            seg_start = self._ends[i] - seg.length
+            within = offset + len(out) - seg_start
+            want = min(n - len(out), seg.length - within)
+            fd = os.open(seg.path, os.O_RDONLY)
+            try:
+                out += os.pread(fd, want, seg.start + within)
+            finally:
+                os.close(fd)
+            i += 1
+        return bytes(out)
+
+    def batch(self, batch: int, seq: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` random windows of seq+1 bytes: inputs and next-byte targets, int64."""
+        if self.nbytes <= seq + 1:
+            raise ValueError(f"{self.name} has {self.nbytes} bytes; a window needs more than {seq + 1}. "
+                             "Give a larger text file or a shorter --seq.")
+        starts = torch.randint(0, self.nbytes - seq - 1, (batch,), generator=generator).tolist()
+        rows = torch.empty(batch, seq + 1, dtype=torch.uint8)
+        for r, s in enumerate(starts):
+            rows[r] = torch.frombuffer(bytearray(self.read(s, seq + 1)), dtype=torch.uint8)
+        rows = rows.long()
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def batch_generator(seed: int, step: int, split: str) -> torch.Generator:
+    """The batches of a step depend only on (seed, step, split), so a resumed run sees the same data."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 2 + (split == "val"))
+
+
+def stdlib_sources(root: str | None = None) -> list[str]:
+    """Every .py file of the standard library (site-packages excluded), in a stable order."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        found += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def stdlib_corpus(root: str | None = None) -> tuple[ByteCorpus, ByteCorpus]:
+    """(train, held-out) from the standard library's sources; every 20th file is held out."""
+    files = stdlib_sources(root)
+    if len(files) < HELD_OUT_EVERY:
+        raise ValueError(f"found only {len(files)} standard library sources under "
+                         f"{root or sysconfig.get_paths()['stdlib']!r}; pass --data PATH with a text file.")
+    segs = [Segment(f, 0, os.path.getsize(f)) for f in files]
+    train = [s for i, s in enumerate(segs) if i % HELD_OUT_EVERY]
+    held = [s for i, s in enumerate(segs) if i % HELD_OUT_EVERY == 0]
+    return ByteCorpus(train, "the stdlib corpus"), ByteCorpus(held, "the stdlib held-out split")
+
+
+def file_corpus(path: str) -> tuple[ByteCorpus, ByteCorpus]:
+    """(train, held-out) from one UTF-8 text file; its last 5% is held out."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        raise ValueError(f"--data {path!r}: {e.strerror}; give a readable UTF-8 text file.") from e
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a character cut at the sample's edge
+            raise ValueError(f"--data {path!r} is not UTF-8 text (byte {e.start}); give a UTF-8 text file.") from e
+    held = max(1, int(size * HELD_OUT_FRACTION))
+    return (ByteCorpus([Segment(path, 0, size - held)], f"{path!r} (training part)"),
+            ByteCorpus([Segment(path, size - held, held)], f"{path!r} (held-out part)"))

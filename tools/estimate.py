@@ -1,0 +1,50 @@
+"""`outcore estimate`: bytes per tier per rank, before buying hardware or launching a run.
+
+The numbers come from `runtime.memory_plan`, the same function the engine sizes its budgets with,
+applied to the unit sizes of the model: exact for a preset or a `module:factory` (built on the meta
+device), a GPT of about that size for `--params`.
+"""
+
+from __future__ import annotations
+
+from runtime.flat_unit import padded_numel
+from runtime.memory_plan import MemoryPlan, plan_memory
+
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def legal_settings(stage: int | None = None, offload_params: str | None = None,
+                   offload_optimizer: str | None = None) -> list[tuple[int, str, str]]:
+    """Every (stage, offload_params, offload_optimizer) the engine accepts, filtered by the given ones."""
+    out = []
+    for st in (1, 2, 3):
+        for op in OFFLOADS if st == 3 else ("none",):  # parameter offload needs stage 3
+            for oo in OFFLOADS:
+                if (stage in (None, st) and offload_params in (None, op) and offload_optimizer in (None, oo)):
+                    out.append((st, op, oo))
+    return out
+
+
+def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", stage: int = 3,
+             offload_params: str = "none", offload_optimizer: str = "none", prefetch_depth: int = 2,
+             sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0) -> MemoryPlan:
+    """Per-rank bytes per tier for units of these sizes (parameters per unit, root unit last).
+    Without clipping (and not fp16) the engine updates each unit during backward, so gradients of
+    one unit at a time are held instead of all of them."""
+    elem = ELEM[dtype]
+    padded = [padded_numel(n, world, elem) for n in unit_numels]
+    return plan_memory([p // world for p in padded], padded, elem=elem, world=world, stage=stage,
+                       offload_params=offload_params, offload_optimizer=offload_optimizer,
+                       prefetch_depth=prefetch_depth, sub_group_size=sub_group_size, fp32=dtype == "fp32",
+                       overlapped=grad_clip is None and dtype != "fp16")
+
+
+def estimate_table(unit_numels: list[int], settings: list[tuple[int, str, str]], **kw) -> list[dict]:
+    rows = []
+    for st, op, oo in settings:
+        plan = estimate(unit_numels, stage=st, offload_params=op, offload_optimizer=oo, **kw)
+        rows.append({"stage": st, "offload_params": op, "offload_optimizer": oo, **plan.as_dict(),
+                     "device_min": plan.device_min, "host_min": plan.host_min})
+    return rows
+

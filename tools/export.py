@@ -1,0 +1,126 @@
+"""`outcore export CKPT OUT.safetensors`: one consolidated file from a sharded checkpoint, offline.
+
+No model and no engine: meta.json says where every parameter sits in its unit's flat buffer, and
+each rank file holds that rank's [master | m | v] chunks. Each parameter is assembled from the
+chunks that overlap it (read through safetensors slices, so only its bytes are read) and written
+before the next one is read: memory is bounded by the largest single parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from offload import StorageCorruptError
+from runtime.checkpoint import BUFFER_PREFIX, resolve_tag
+from runtime.safetensors_stream import SafetensorsWriter, file_crc32
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def checkpoint_folder(path: str, tag: str | None = None) -> str:
+    """A checkpoint tag folder, or a checkpoint directory (its `latest`, or `tag`)."""
+    if tag is None and os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    return os.path.join(path, resolve_tag(path, tag))
+
+
+def read_meta(folder: str, *, verify: bool = True) -> dict:
+    meta_path = os.path.join(folder, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{folder!r} is not a checkpoint: no readable meta.json ({e.strerror}).") from e
+    except json.JSONDecodeError as e:
+        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+    if "state_dict_keys" not in meta or any("params" not in u for u in meta["units"]):
+        raise ValueError(f"checkpoint {folder!r} predates parameter layouts in meta.json; export it from a "
+                         "running engine with engine.export(path) instead.")
+    for name, crc in meta["files"].items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise ValueError(f"checkpoint file {path!r} is missing.")
+        if verify and f"{file_crc32(path):08x}" != crc:
+            raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
+    return meta
+
+
+def _assemble(unit: dict, index: int, param: dict, files: list, world: int) -> torch.Tensor:
+    """One parameter's fp32 values from the master part of the chunks that overlap it."""
+    offset, numel = param["offset"], 1
+    for d in param["shape"]:
+        numel *= d
+    out = torch.empty(numel, dtype=torch.float32)
+    shard = unit["shard"]
+    for rank in range(world):
+        base = rank * shard
+        for c, (start, end) in enumerate(unit["chunks"]):
+            lo, hi = max(offset, base + start), min(offset + numel, base + end)
+            if lo >= hi:
+                continue
+            part = files[rank].get_slice(f"u{index}.opt{c}")[lo - base - start : hi - base - start]
+            out[lo - offset : hi - offset] = part
+    return out.view(param["shape"])
+
+
+def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str | None = None,
+                      verify: bool = True) -> dict:
+    """Write every parameter and buffer of the checkpoint at `path` into one safetensors file.
+
+    `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
+    The file appears whole or not at all (written beside it, then renamed)."""
+    folder = checkpoint_folder(path, tag)
+    meta = read_meta(folder, verify=verify)
+    world = int(meta["world_size"])
+    dtype = dtype or meta["config"].get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
+    where = {}
+    for index, unit in enumerate(meta["units"]):
+        for param in unit["params"]:
+            for name in param["names"]:
+                where[name] = (index, param)
+    files = [safe_open(os.path.join(folder, f"rank{r}.safetensors"), framework="pt") for r in range(world)]
+    buffer_keys = {k[len(BUFFER_PREFIX):] for k in files[0].keys() if k.startswith(BUFFER_PREFIX)}
+    entries = []
+    for key in meta["state_dict_keys"]:
+        if key in where:
+            entries.append((key, DTYPES[dtype], tuple(where[key][1]["shape"])))
+        elif key in buffer_keys:
+            sl = files[0].get_slice(BUFFER_PREFIX + key)
+            entries.append((key, getattr(torch, _TORCH_NAMES[sl.get_dtype()]), tuple(sl.get_shape())))
+        else:
+            raise StorageCorruptError(key, folder, "a state-dict key with neither a parameter layout nor a buffer")
+    tmp = f"{out}.tmp"
+    writer = SafetensorsWriter(tmp, entries, metadata={"format": "pt", "producer": "outcore export",
+                                                       "step": str(meta["step"])})
+    largest = 0
+    try:
+        last = (None, None)
+        for key, _, _ in entries:
+            if key in where:
+                unit_index, param = where[key]
+                if last[0] is not param:  # tied names share one assembled tensor
+                    last = (param, _assemble(meta["units"][unit_index], unit_index, param, files, world))
+                value = last[1].to(DTYPES[dtype])
+                largest = max(largest, last[1].numel() * 4)
+            else:
+                value = files[0].get_tensor(BUFFER_PREFIX + key)
+            writer.write(key, value)
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
+            "bytes": os.path.getsize(out), "largest_parameter_bytes": largest}
+
+
+# safetensors' dtype names → torch attribute names
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}

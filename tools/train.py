@@ -1,0 +1,264 @@
+"""`outcore train`: a GPT preset trained by the engine on a text file or the stdlib corpus.
+
+Defaults are chosen for the machine at hand: the least offloading whose bytes (by the memory plan)
+fit in half of the free memory, bf16 where the hardware computes it natively, and an NVMe
+directory under the working directory that is removed afterwards. Each choice is printed once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+import runtime
+from tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
+from tools.estimate import estimate
+from tools.model_source import ModelSource, resolve_model, unit_numels
+from tools.units import human_bytes
+
+log = logging.getLogger("outcore.train")
+
+# Peak learning rates by size, as GPT-3's table (Brown et al. 2020) gives them; tiny trains fast.
+LEARNING_RATES = {"tiny": 2e-3, "gpt-125m": 6e-4, "gpt-350m": 3e-4, "gpt-1b": 2e-4, "gpt-2b": 1.6e-4,
+                  "gpt-3b": 1.6e-4, "gpt-7b": 1.2e-4}
+DEFAULT_STEPS = {"tiny": 300}
+WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
+OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
+
+
+@dataclass
+class TrainOptions:
+    preset: str = "tiny"
+    config: str | None = None  # a runtime.Config file; the flags below override what it says
+    steps: int | None = None
+    data: str | None = None
+    out: str = "outcore-run"
+    nvme_dir: str | None = None
+    offload_params: str | None = None  # None: chosen from free memory
+    offload_optimizer: str | None = None
+    dtype: str | None = None  # None: bf16 where native, else fp32
+    batch: int = 8
+    seq: int | None = None  # None: the preset's context length
+    lr: float | None = None
+    grad_clip: float | None = 1.0
+    host_budget: int | None = None
+    device_budget: int | None = None
+    prefetch_depth: int | None = None
+    eval_every: int | None = None  # None: five times per run
+    eval_batches: int = 4
+    save_every: int | None = None
+    save_final: bool = True
+    resume: bool = False
+    seed: int = 0
+    checkpoint_activations: bool | None = None  # None: on for 24 layers and more
+    overrides: dict = field(default_factory=dict)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether this device computes bf16 in hardware (else it is emulated, slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | None,
+                   prefetch_depth: int) -> tuple[str, str, str]:
+    """The least offloading whose device + host bytes fit in half of the available memory."""
+    avail = psutil.virtual_memory().available
+    cuda = torch.cuda.is_available()
+    gpu_free = torch.cuda.mem_get_info()[0] if cuda else 0
+    for params, opt in OFFLOAD_LADDER:
+        if params != "none" and stage < 3:
+            continue
+        plan = estimate(units, dtype=dtype, stage=stage, offload_params=params, offload_optimizer=opt,
+                        prefetch_depth=prefetch_depth, grad_clip=grad_clip)
+        ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
+        fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
+        if fits_device and ram <= avail // 2:
+            why = f"{human_bytes(ram)} of states and buffers fit in half of the {human_bytes(avail)} available"
+            return params, opt, why
+    return "nvme", "nvme", f"the model's states exceed half of the {human_bytes(avail)} available"
+
+
+def build_config(opts: TrainOptions, source: ModelSource,
+                 device: torch.device) -> tuple[runtime.Config, list[str], str | None]:
+    """The run's Config: the file's, overridden by flags, the rest chosen for this machine. Also
+    returns what was chosen (to print) and the NVMe folder created for the run, if any."""
+    notes = []
+    values = runtime.Config.from_file(opts.config).to_dict() if opts.config else {}
+    values.update({k: v for k, v in {
+        "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "host_budget": opts.host_budget,
+        "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
+        "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer}.items() if v is not None})
+    if not opts.config:
+        values["grad_clip"] = opts.grad_clip
+        if opts.dtype is None:
+            values["dtype"] = "bf16" if native_bf16(device) else "fp32"
+            notes.append(f"dtype {values['dtype']} ({'native' if values['dtype'] == 'bf16' else 'no native'} "
+                         f"bf16 on {device.type})")
+        if opts.offload_params is None and opts.offload_optimizer is None:
+            defaults = runtime.Config()
+            depth = values.get("prefetch_depth", defaults.prefetch_depth)
+            params, opt, why = choose_offload(unit_numels(source), values["dtype"], defaults.stage,
+                                              values["grad_clip"], depth)
+            values.update(offload_params=params, offload_optimizer=opt)
+            notes.append(f"offload params={params} optimizer={opt}: {why}")
+    values.update(opts.overrides)
+    owned = None
+    if values.get("nvme_dir") is None and "nvme" in (values.get("offload_params"), values.get("offload_optimizer")):
+        owned = values["nvme_dir"] = tempfile.mkdtemp(prefix=".outcore-nvme-", dir=os.getcwd())
+        notes.append(f"NVMe tier in {owned} (removed at the end; --nvme-dir to choose)")
+    try:
+        return runtime.Config.from_dict(values), notes, owned
+    except ValueError:
+        if owned:
+            os.rmdir(owned)
+        raise
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first 10% (at least 10, at most 100 steps), then cosine decay to 10%."""
+    warm = max(1, min(100, max(10, steps // 10), steps))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def evaluate(engine: runtime.Engine, held_out: ByteCorpus, opts: TrainOptions, seq: int,
+             device: torch.device) -> float:
+    """Mean loss on fixed held-out batches (the same ones at every evaluation)."""
+    losses = []
+    with torch.no_grad():
+        for i in range(opts.eval_batches):
+            x, y = held_out.batch(opts.batch, seq, batch_generator(opts.seed, i, "val"))
+            losses.append(float(engine(x.to(device), y.to(device))))
+    return sum(losses) / len(losses)
+
+
+def train(opts: TrainOptions, *, report=print) -> dict:
+    """Train; returns a summary (also what `--json` writes). `report` receives progress lines."""
+    from tools.report import progress
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seq_override = opts.seq
+    source = resolve_model(opts.preset, seq=seq_override, checkpoint_activations=False)
+    gpt = source.gpt
+    ckpt_acts = opts.checkpoint_activations if opts.checkpoint_activations is not None else gpt.layers >= 24
+    source = resolve_model(opts.preset, seq=seq_override, checkpoint_activations=ckpt_acts)
+    if gpt.vocab < VOCAB:
+        raise ValueError(f"preset {opts.preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
+    train_set, held_out = file_corpus(opts.data) if opts.data else stdlib_corpus()
+    config, notes, owned_nvme = build_config(opts, source, device)
+    steps = opts.steps or DEFAULT_STEPS.get(opts.preset, 1000)
+    peak_lr = opts.lr or LEARNING_RATES.get(opts.preset, 3e-4)
+    eval_every = opts.eval_every or max(1, steps // 5)
+
+    for n in notes:
+        report(f"outcore train: {n}")
+
+    ckpt_dir = os.path.join(opts.out, "checkpoints")
+    engine = None
+    try:
+        with runtime.deferred_init():
+            model = source.build()
+        hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        t_init = time.perf_counter()
+        engine = runtime.Engine(model, config, hp, init_fn=source.init_fn, seed=opts.seed)
+        init_seconds = time.perf_counter() - t_init
+        if opts.resume:
+            meta = engine.load_checkpoint(ckpt_dir)
+            report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
+        start = engine.global_step
+        state_bytes = gpt.params * (engine._elem + 4 + 12)  # weights, fp32 gradients, fp32 master + moments
+        report(f"outcore train: {opts.preset}, {gpt.params / 1e6:,.1f}M parameters "
+               f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
+               f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
+               f"batch {opts.batch} x {gpt.seq} bytes of {train_set.name}")
+        history, val_history = [], []
+        totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
+        before = engine.stats()
+        accum = config.grad_accumulation
+        with progress(steps - start, "train") as bar:
+            for step in range(start, steps):
+                engine.lr = lr_at(step, steps, peak_lr)
+                t0 = time.perf_counter()
+                loss_sum = 0.0
+                for micro in range(accum):
+                    x, y = train_set.batch(opts.batch, gpt.seq, batch_generator(opts.seed, step * accum + micro,
+                                                                                 "train"))
+                    loss = engine(x.to(device), y.to(device))
+                    engine.backward(loss)
+                    loss_sum += float(loss.detach())
+                result = engine.step()
+                dt = time.perf_counter() - t0
+                now = engine.stats()
+                loss_value = loss_sum / accum
+                history.append(loss_value)
+                totals["seconds"] += dt
+                totals["wait"] += now["unit_wait_seconds"] - before["unit_wait_seconds"]
+                totals["opt"] += now["optimizer_seconds"] - before["optimizer_seconds"]
+                totals["read"] += now["bytes_read"] - before["bytes_read"]
+                totals["written"] += now["bytes_written"] - before["bytes_written"]
+                totals["tokens"] += opts.batch * gpt.seq * accum
+                before = now
+                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {opts.batch * gpt.seq * accum / dt:,.0f} tok/s "
+                        f"{dt:.2f} s (I/O wait {totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
+                        f"nvme {human_bytes(now['nvme']['bytes'])}")
+                if result["skipped"]:
+                    line += " (step skipped: fp16 overflow)"
+                if bar is not None:
+                    bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
+                    bar.update(1)
+                if (step + 1) % eval_every == 0 or step + 1 == steps:
+                    val = evaluate(engine, held_out, opts, gpt.seq, device)
+                    val_history.append((step + 1, val))
+                    (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
+                if opts.save_every and (step + 1) % opts.save_every == 0 and step + 1 != steps:
+                    engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
+        if opts.save_final and steps > start:
+            engine.save_checkpoint(ckpt_dir, f"step{steps}")
+        stats = engine.stats()
+    finally:
+        if engine is not None:
+            engine.close()
+        if owned_nvme:
+            shutil.rmtree(owned_nvme, ignore_errors=True)
+
+    ran = max(1, steps - start)
+    summary = {
+        "preset": opts.preset, "params": gpt.params, "state_bytes": state_bytes, "dtype": config.dtype,
+        "offload_params": config.offload_params, "offload_optimizer": config.offload_optimizer,
+        "steps": steps, "start_step": start, "losses": history, "val_losses": val_history,
+        "seconds_per_step": totals["seconds"] / ran, "io_wait_seconds_per_step": totals["wait"] / ran,
+        "optimizer_seconds_per_step": totals["opt"] / ran, "bytes_read_per_step": totals["read"] / ran,
+        "bytes_written_per_step": totals["written"] / ran,
+        "tokens_per_second": totals["tokens"] / max(totals["seconds"], 1e-9), "init_seconds": init_seconds,
+        "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
+        "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(),
+    }
+    first = f"{history[0]:.3f} -> " if history else ""
+    val = f", val {val_history[-1][1]:.3f}" if val_history else ""
+    report(f"outcore train: done. {opts.preset} ({gpt.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
+           f"model states) trained {steps - start} steps, loss {first}{history[-1]:.3f}{val}; parameters in "
+           f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
+           f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")
+    return summary
