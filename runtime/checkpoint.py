@@ -129,7 +129,8 @@ def resolve_tag(directory: str, tag: str | None) -> str:
         with open(latest) as f:
             return f.read().strip()
     except OSError as e:
-        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; name a tag (tag=..., or --tag on the command line).") from e
+        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; "
+                         "name a tag (tag=..., or --tag on the command line).") from e
 
 
 def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> dict:

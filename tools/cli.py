@@ -100,10 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", metavar="PATH")
     x.set_defaults(run=_export)
 
-    for name, what in (("tune", "sweep prefetch and I/O settings on the real model"),):
-        s = sub.add_parser(name, help=what)
-        s.add_argument("rest", nargs=argparse.REMAINDER)
-        s.set_defaults(run=_not_built, name=name)
+    u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
+    u.add_argument("--config", required=True, help="the starting runtime.Config file (its budgets are the limits)")
+    u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
+    u.add_argument("--steps", type=int, default=3, help="timed steps per candidate, after one warm-up step")
+    u.add_argument("--batch", type=int, default=1)
+    u.add_argument("--seq", type=int, help="context length (default: the preset's)")
+    u.add_argument("--out", default="tuned.json", help="where the fastest config is written (default tuned.json)")
+    u.add_argument("--prefetch-depth", type=_ints, help="values to try (default 1,2,4)")
+    u.add_argument("--block-size", type=_sizes, help="values to try (default 1M,8M)")
+    u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
+    u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
+    u.add_argument("--max-rss", type=parse_size, help="reject candidates whose peak RSS is above this")
+    u.add_argument("--timeout", type=float, default=1800, help="seconds per candidate (default 1800)")
+    u.add_argument("--json", metavar="PATH")
+    u.set_defaults(run=_tune)
     return p
 
 
@@ -225,10 +236,47 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _not_built(args: argparse.Namespace) -> int:
-    print(f"outcore {args.name}: not built yet — it needs the ZeRO engine (runtime/), which has not landed. "
-          "`outcore bench-disk` works today.", file=sys.stderr)
-    return EXIT_RUNTIME
+def _tune(args: argparse.Namespace) -> int:
+    import runtime
+    from tools.report import table, write_json
+    from tools.tune import tune
+
+    try:
+        base = runtime.Config.from_file(args.config)
+        from tools.model_source import resolve_model
+
+        resolve_model(args.model)  # a wrong name fails here, before any candidate runs
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    sweep = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("block_size", args.block_size),
+                               ("queue_depth", args.queue_depth), ("threads", args.threads)) if v}
+
+    def show(c) -> None:
+        r = c.result
+        if c.ok:
+            print(f"  {c.label}: {r['step_seconds']:.3f} s/step, I/O wait {r['io_wait_seconds']:.3f} s, "
+                  f"peak RSS {human_bytes(r['peak_rss_bytes'])}", flush=True)
+        else:
+            print(f"  {c.label}: failed: {r['error']}", flush=True)
+
+    print(f"tuning {args.model} from {args.config}: {args.steps} timed steps per candidate", flush=True)
+    best, tried = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
+                       max_rss=args.max_rss, timeout=args.timeout, on_result=show)
+    rows = []
+    for c in sorted(tried, key=lambda c: c.result.get("step_seconds", float("inf"))):
+        r, io = c.result, c.config.io
+        mark = "*" if c.config is best else " "
+        rows.append([c.config.prefetch_depth, human_bytes(io.block_size), io.queue_depth, io.threads,
+                     human_bytes(c.config.host_budget) if c.config.host_budget else "auto",
+                     f"{r['step_seconds']:.3f}{mark}" if c.ok else "failed",
+                     f"{r['io_wait_seconds']:.3f}" if c.ok else "-",
+                     human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
+    table(["prefetch", "block", "qd", "threads", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
+    best.to_file(args.out)
+    print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
+    write_json(args.json, {"best": best.to_dict(), "candidates": [
+        {"label": c.label, "config": c.config.to_dict(), **c.result} for c in tried]})
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

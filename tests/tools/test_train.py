@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import runtime
 from tools.cli import main
 from tools.train import TrainOptions, lr_at, train
 

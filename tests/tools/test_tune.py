@@ -1,0 +1,48 @@
+"""`outcore tune`: measures candidates in their own processes and writes a config that trains."""
+
+import dataclasses
+import json
+
+import runtime
+from tools.cli import main
+from tools.train import TrainOptions, train
+from tools.tune import tune
+
+
+def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    base = runtime.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+                          host_budget=32 << 20, grad_clip=None)
+    base.to_file(tmp_path / "base.json")
+    argv = ["tune", "--config", "base.json", "--model", "tiny", "--steps", "1", "--batch", "2", "--seq", "64",
+            "--prefetch-depth", "1,2", "--block-size", "256K", "--queue-depth", "8", "--threads", "2",
+            "--out", "tuned.json", "--json", "tune.json"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "tune.json").read_text())
+    cands = report["candidates"]
+    # as given, prefetch 1, the I/O pair, threads, and two host budgets (the full one is the base again)
+    assert len(cands) == 6 and all("step_seconds" in c for c in cands), cands
+    assert {c["config"]["prefetch_depth"] for c in cands} == {1, 2}
+    assert any(c["config"]["host_budget"] == 8 << 20 for c in cands)
+    fastest = min(cands, key=lambda c: c["step_seconds"])
+    assert all(c["peak_rss_bytes"] > 100 << 20 for c in cands)  # measured in a real process
+    written = json.loads((tmp_path / "tuned.json").read_text())
+    assert written == report["best"]
+    assert fastest["step_seconds"] * 1.02 >= min(c["step_seconds"] for c in cands)
+    loaded = runtime.Config.from_file(tmp_path / "tuned.json")
+    assert loaded.to_dict() == written  # every key written is one the runtime reads, unchanged
+    assert "fastest (*) written to tuned.json" in printed
+    s = train(TrainOptions(config="tuned.json", steps=3, batch=2, seq=64, save_final=False), report=lambda _: None)
+    assert s["config"] == written and len(s["losses"]) == 3
+
+
+def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path):
+    base = runtime.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"),
+                          host_budget=4096)  # far below the optimizer's working set
+    try:
+        tune(dataclasses.replace(base), "tiny", steps=1, sweep={"prefetch_depth": [1]})
+    except RuntimeError as e:
+        assert "host_budget" in str(e)
+    else:
+        raise AssertionError("tune accepted a config that cannot run")

@@ -1,0 +1,177 @@
+"""`outcore tune`: the fastest prefetch and I/O settings for this model on this machine, measured.
+
+Each candidate runs the real model for a few steps in a fresh process (so its peak RSS is its
+own and no page cache or allocator state carries over). The sweep is coordinate descent: one knob
+at a time, keeping the best value before moving on — prefetch_depth, then block_size x
+queue_depth, then threads, then the host budget (the I/O knobs only when something rests on NVMe).
+Budgets never go above the ones the config allows. The winner is written with `Config.to_file`.
+
+Models: a GPT preset, or `module:factory` whose model takes a (batch, seq) tensor of token ids
+below 256 and returns either the loss (a scalar) or logits (then cross-entropy on the next token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+import runtime
+from tools.units import human_bytes
+
+DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
+                 "threads": [2, 4, 8], "host_budget_fraction": [0.25, 0.5, 1.0]}
+
+
+@dataclass
+class Candidate:
+    config: runtime.Config
+    label: str
+    result: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result) and "error" not in self.result
+
+
+def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None) -> dict:
+    """Run one warm-up step and `steps` timed steps in this process; step time is their median."""
+    from tools.model_source import resolve_model
+    from tools.train import peak_rss
+
+    source = resolve_model(model_spec, seq=seq)
+    seq = seq or (source.gpt.seq if source.gpt else 128)
+    with runtime.deferred_init():
+        model = source.build()
+    engine = runtime.Engine(model, config, init_fn=source.init_fn)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        times, waits = [], []
+        before = engine.stats()
+        first = dict(before)
+        for step in range(steps + 1):
+            x = torch.randint(0, 256, (batch, seq + 1), generator=gen).to(engine.device)
+            t0 = time.perf_counter()
+            out = engine(x[:, :-1], x[:, 1:]) if source.gpt else engine(x[:, :-1])
+            loss = out if out.dim() == 0 else F.cross_entropy(out.flatten(0, -2).float(), x[:, 1:].flatten())
+            engine.backward(loss)
+            engine.step()
+            now = engine.stats()
+            if step == 0:
+                first = now  # the warm-up step records the trace; it is not timed
+            else:
+                times.append(time.perf_counter() - t0)
+                waits.append(now["unit_wait_seconds"] - before["unit_wait_seconds"])
+            before = now
+        return {"step_seconds": statistics.median(times), "io_wait_seconds": statistics.median(waits),
+                "bytes_read_per_step": (before["bytes_read"] - first["bytes_read"]) / steps,
+                "bytes_written_per_step": (before["bytes_written"] - first["bytes_written"]) / steps,
+                "peak_rss_bytes": peak_rss(), "loss": float(loss.detach())}
+    finally:
+        engine.close()
+
+
+def run_candidate(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None,
+                  timeout: float) -> dict:
+    """`measure` in a fresh interpreter; a failure comes back as {"error": ...}, never raised."""
+    with tempfile.TemporaryDirectory(prefix="outcore-tune-") as tmp:
+        cfg_path, out_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
+        config.to_file(cfg_path)
+        cmd = [sys.executable, "-m", "tools.tune", cfg_path, model_spec, str(steps), str(batch), str(seq or 0),
+               out_path]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            return {"error": lines[-1] if lines else f"exit status {proc.returncode}"}
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _variants(best: runtime.Config, knob: str, values: list,
+              host_limit: int | None) -> list[tuple[runtime.Config, str]]:
+    out = []
+    for v in values:
+        if knob == "prefetch_depth":
+            cfg, label = dataclasses.replace(best, prefetch_depth=v), f"prefetch_depth={v}"
+        elif knob == "io":
+            bs, qd = v
+            cfg = dataclasses.replace(best, io=dataclasses.replace(best.io, block_size=bs, queue_depth=qd))
+            label = f"block_size={human_bytes(bs)} queue_depth={qd}"
+        elif knob == "threads":
+            cfg, label = dataclasses.replace(best, io=dataclasses.replace(best.io, threads=v)), f"threads={v}"
+        else:  # host budget, as a fraction of what the config allows
+            budget = int(host_limit * v) // 4096 * 4096
+            cfg, label = dataclasses.replace(best, host_budget=budget), f"host_budget={human_bytes(budget)}"
+        out.append((cfg, label))
+    return out
+
+
+def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 1, seq: int | None = None,
+         sweep: dict | None = None, max_rss: int | None = None, timeout: float = 1800,
+         on_result=None) -> tuple[runtime.Config, list[Candidate]]:
+    """Coordinate descent over the sweep; returns the fastest config and every candidate measured."""
+    sweep = {**DEFAULT_SWEEP, **(sweep or {})}
+    uses_nvme = "nvme" in (base.offload_params, base.offload_optimizer)
+    tried: dict[str, Candidate] = {}
+
+    def run(cfg: runtime.Config, label: str) -> Candidate:
+        key = json.dumps(cfg.to_dict(), sort_keys=True)
+        if key not in tried:
+            cand = Candidate(cfg, label)
+            cand.result = run_candidate(cfg, model_spec, steps=steps, batch=batch, seq=seq, timeout=timeout)
+            if cand.ok and max_rss and cand.result["peak_rss_bytes"] > max_rss:
+                cand.result["error"] = f"peak RSS {human_bytes(cand.result['peak_rss_bytes'])} over --max-rss"
+            tried[key] = cand
+            if on_result:
+                on_result(cand)
+        return tried[key]
+
+    best = run(base, "the config as given")
+    if not best.ok:
+        raise RuntimeError(f"the config as given does not run: {best.result['error']}")
+    phases = [("prefetch_depth", sweep["prefetch_depth"])]
+    if uses_nvme:
+        phases += [("io", [(b, q) for b in sweep["block_size"] for q in sweep["queue_depth"]]),
+                   ("threads", sweep["threads"])]
+        if base.host_budget:  # shrink the host budget only below what the config allows
+            phases.append(("host", sweep["host_budget_fraction"]))
+    for knob, values in phases:
+        for cfg, label in _variants(best.config, knob, values, base.host_budget):
+            cand = run(cfg, label)
+            if cand.ok and _better(cand, best):
+                best = cand
+    return best.config, list(tried.values())
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    """Faster by more than 2% (noise), or as fast with less memory."""
+    ta, tb = a.result["step_seconds"], b.result["step_seconds"]
+    if ta < 0.98 * tb:
+        return True
+    return ta <= 1.02 * tb and a.result["peak_rss_bytes"] < 0.95 * b.result["peak_rss_bytes"]
+
+
+def _worker(argv: list[str]) -> None:
+    cfg_path, model_spec, steps, batch, seq, out_path = argv
+    result = measure(runtime.Config.from_file(cfg_path), model_spec, steps=int(steps), batch=int(batch),
+                     seq=int(seq) or None)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
