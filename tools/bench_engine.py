@@ -2,6 +2,11 @@
 
     python -m tools.bench_engine optimizer [--params 100M] [--repeats 5]
     python -m tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 4] [--rounds 1]
+                                      [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip]
+
+Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
+no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe). Ratios are
+against the first kind listed.
 
 Every configuration runs in its own process, so that its peak RSS is its own; configurations are
 interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
@@ -68,8 +73,9 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
     return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": _peak_rss()}
 
 
-def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int) -> dict:
-    """Median seconds of a training step of the preset GPT (fp32), plain or through the engine."""
+def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
+             dtype: str = "fp32") -> dict:
+    """Median seconds of a training step of the preset GPT, plain or through the engine."""
     import runtime
     from tools.gpt import GPT, PRESETS
 
@@ -89,16 +95,18 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             opt.step()
             times.append(time.perf_counter() - t0)
     else:
-        clip = 1.0 if kind.endswith("clip") else None
+        clip = 1.0 if kind == "nvme-clip" else None
+        offload = "none" if kind == "ram" else "nvme"
         with runtime.deferred_init():
             model = GPT(cfg)
         from tools.gpt import init_fn
 
         with tempfile.TemporaryDirectory(dir=nvme_root) as d:
             # DEVICE and HOST budgets of `budget` bytes each: the store pages the rest through NVMe.
-            conf = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=d,
-                                  grad_clip=clip, prefetch_depth=2, device_budget=budget,
-                                  host_budget=budget, sub_group_size=1 << 21,
+            conf = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload, nvme_dir=d,
+                                  grad_clip=clip, prefetch_depth=2, dtype=dtype,
+                                  device_budget=budget if offload == "nvme" else None,
+                                  host_budget=budget if offload == "nvme" else None, sub_group_size=1 << 21,
                                   io={"block_size": 8 << 20, "threads": 4})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
@@ -119,7 +127,8 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
               "unit_wait_s_per_step": (after["unit_wait_seconds"] - before["unit_wait_seconds"]) / n,
               "prefetch_hit_rate": after["prefetch_hit_rate"]}
     step = statistics.median(times[1:])  # the first step records the trace and warms up
-    out = {"kind": kind, "preset": preset, "step_s": step, "all_steps_s": times, "peak_rss": _peak_rss()}
+    out = {"kind": kind, "preset": preset, "dtype": dtype, "step_s": step, "all_steps_s": times,
+           "peak_rss": _peak_rss()}
     if io:
         out.update(io, wait_fraction=io["unit_wait_s_per_step"] / step)
     return out
@@ -147,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rounds", type=int, default=1)
     s.add_argument("--dir", default=".", help="where the NVMe swap files go")
     s.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
+    s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    s.add_argument("--kinds", default="plain,nvme-noclip,nvme-clip", help="what to run; ratios are to the first")
     for q in (o, s):
         q.add_argument("--json", metavar="PATH")
     r = sub.add_parser("_run")
@@ -171,16 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ours / torch fused: {med['ours'] / med['torch']:.2f}x")
     else:
         os.makedirs(args.dir, exist_ok=True)
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        unknown = set(kinds) - {"plain", "ram", "nvme-noclip", "nvme-clip"}
+        if unknown or ("plain" in kinds and args.dtype != "fp32"):
+            p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip")
         for _ in range(args.rounds):
-            for kind in ("plain", "nvme-noclip", "nvme-clip"):
+            for kind in kinds:
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
                                                    "batch": args.batch, "steps": args.steps,
                                                    "nvme_root": os.path.abspath(args.dir),
-                                                   "budget": args.budget})]))
-        plain = statistics.median(r["step_s"] for r in results if r["kind"] == "plain")
-        print(f"{args.preset}, batch {args.batch}, fp32, budgets {human_bytes(args.budget)}; "
-              f"median step of {args.steps} after a warm-up step:")
-        for kind in ("plain", "nvme-noclip", "nvme-clip"):
+                                                   "budget": args.budget, "dtype": args.dtype})]))
+        plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
+        print(f"{args.preset}, batch {args.batch}, {args.dtype}, NVMe-run budgets {human_bytes(args.budget)}; "
+              f"median step of {args.steps} after a warm-up step, ratios to {kinds[0]}:")
+        for kind in kinds:
             rs = [r for r in results if r["kind"] == kind]
             step = statistics.median(r["step_s"] for r in rs)
             rss = human_bytes(max(r["peak_rss"] for r in rs))

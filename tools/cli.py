@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from tools.gpt import PRESETS
+from tools.presets import PRESETS
 from tools.units import human_bytes, parse_count, parse_list, parse_size
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2

@@ -1,47 +1,21 @@
 """outcore's own GPT: a pre-norm transformer with learned positions and (optionally) tied embeddings.
 
-Small whole file, read top to bottom: config → block → model. Every module has `reset_parameters`,
+Small whole file, read top to bottom: attention → block → model (shapes live in tools/presets.py). Every module has `reset_parameters`,
 so the model can be built under `runtime.deferred_init()` and materialized unit by unit.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tools.presets import PRESETS, GPTConfig
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 256
-    seq: int = 256
-    layers: int = 4
-    d_model: int = 128
-    heads: int = 4
-    tied: bool = True
-
-    @property
-    def params(self) -> int:
-        d, v = self.d_model, self.vocab
-        per_block = 12 * d * d + 13 * d  # qkv, proj, 2 mlp matrices, their biases, 2 norms
-        return v * d + self.seq * d + self.layers * per_block + 2 * d + (0 if self.tied else v * d)
-
-
-PRESETS = {
-    "tiny": GPTConfig(vocab=256, seq=128, layers=4, d_model=128, heads=4),
-    "gpt-125m": GPTConfig(vocab=32000, seq=1024, layers=12, d_model=768, heads=12),
-    "gpt-350m": GPTConfig(vocab=32000, seq=1024, layers=24, d_model=1024, heads=16),
-    "gpt-1b": GPTConfig(vocab=32000, seq=2048, layers=24, d_model=2048, heads=16),
-    "gpt-2b": GPTConfig(vocab=32000, seq=2048, layers=32, d_model=2304, heads=18),
-    "gpt-3b": GPTConfig(vocab=32000, seq=2048, layers=32, d_model=2816, heads=22),
-    "gpt-7b": GPTConfig(vocab=32000, seq=2048, layers=32, d_model=4096, heads=32),
-    # the reference shape of the engine benchmark: 12 x 768, vocab 32000, untied (134M parameters)
-    "bench-134m": GPTConfig(vocab=32000, seq=256, layers=12, d_model=768, heads=12, tied=False),
-}
+__all__ = ["GPT", "PRESETS", "GPTConfig", "init_fn"]
 
 
 class Attention(nn.Module):

@@ -131,8 +131,9 @@ def build_config(opts: TrainOptions, source: ModelSource,
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over the first 10% (at least 10, at most 100 steps), then cosine decay to 10%."""
-    warm = max(1, min(100, max(10, steps // 10), steps))
+    """Linear warm-up over the first 10% of the steps (at least 10, at most 100: a run shorter than 10
+    steps never reaches the peak, as large models need), then cosine decay to 10% of the peak."""
+    warm = min(100, max(10, steps // 10))
     if step < warm:
         return peak * (step + 1) / warm
     progress = (step - warm) / max(1, steps - warm)

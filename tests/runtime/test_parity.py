@@ -1,5 +1,6 @@
 """fp32, one rank: the engine trains exactly like plain PyTorch with torch.optim.AdamW."""
 
+import copy
 import itertools
 
 import pytest
@@ -63,13 +64,15 @@ def test_gradient_accumulation(tmp_path, clip):
     engine.close()
 
 
-def test_activation_checkpointing_refetches_correctly(tmp_path):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="cpu", nvme_dir=str(tmp_path))
+@pytest.mark.parametrize("optim, clip", [("cpu", 1.0), ("nvme", None)])
+def test_activation_checkpointing_refetches_correctly(tmp_path, optim, clip):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer=optim, nvme_dir=str(tmp_path),
+                         grad_clip=clip)
     ours_model, ref_model = twins(lambda: TinyGPT(checkpointing=True))
     ref_model.checkpointing = False  # the reference computes the same math without recomputation
     data = batches(10)
     ours, engine = train_engine(ours_model, cfg, data)
-    assert_losses_match(ours, train_plain(ref_model, data, clip=1.0))
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
 
 
@@ -109,5 +112,25 @@ def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
     data = batches(10)
     ours, engine = train_engine(ours_model, cfg, data)
     assert all(len(u.chunks) > 1 for u in engine.units)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
+    """Budgets at the engine's minimum: every fetch, prefetch and write-back goes through eviction."""
+    def build(**budgets):
+        return runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                              grad_clip=clip, sub_group_size=2048, **budgets)
+
+    ours_model, ref_model = twins(TinyGPT)
+    probe = runtime.Engine(copy.deepcopy(ours_model), build())
+    plan = probe.memory_plan()
+    probe.close()
+    cfg = build(device_budget=plan.device_min, host_budget=plan.host_min)
+    data = batches(12)
+    ours, engine = train_engine(ours_model, cfg, data)
+    s = engine.stats()
+    assert s["evictions"] > 0 and s["host"]["peak"] <= plan.host_min and s["device"]["peak"] <= plan.device_min
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()

@@ -65,6 +65,7 @@ def test_learning_rate_warms_up_then_decays():
     lrs = [lr_at(s, 200, 1e-3) for s in range(200)]
     assert lrs[0] == pytest.approx(5e-5) and max(lrs) == pytest.approx(1e-3)
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01) and lrs.index(max(lrs)) == 19
+    assert [lr_at(s, 3, 1e-3) for s in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])  # short runs stay low
 
 
 @pytest.mark.parametrize(("argv", "message"), [
