@@ -98,8 +98,8 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
     work = dev if work_on_device else host
     work["runtime"] += grad_all
     where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
-    if work_on_device:
-        dev_min = param_all + state_all + dev["runtime"]
+    if work_on_device:  # states, gradients and the update all live on the device
+        dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":
         # Read ahead, update, write back. During backward each unit streams on its own, so a unit
         # of few chunks has fewer on the way.

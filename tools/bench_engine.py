@@ -74,7 +74,7 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
 
 
 def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
-             dtype: str = "fp32") -> dict:
+             dtype: str = "fp32", checksum: bool = True) -> dict:
     """Median seconds of a training step of the preset GPT, plain or through the engine."""
     import runtime
     from tools.gpt import GPT, PRESETS
@@ -107,7 +107,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
                                   grad_clip=clip, prefetch_depth=2, dtype=dtype,
                                   device_budget=budget if offload == "nvme" else None,
                                   host_budget=budget if offload == "nvme" else None, sub_group_size=1 << 21,
-                                  io={"block_size": 8 << 20, "threads": 4})
+                                  io={"block_size": 8 << 20, "threads": 4, "checksum": checksum})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
             for i, tokens in enumerate(data):
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--kinds", default="plain,nvme-noclip,nvme-clip", help="what to run; ratios are to the first")
+    s.add_argument("--no-checksum", action="store_true", help="NVMe runs skip crc32 (IOConfig(checksum=False))")
     for q in (o, s):
         q.add_argument("--json", metavar="PATH")
     r = sub.add_parser("_run")
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
                                                    "batch": args.batch, "steps": args.steps,
                                                    "nvme_root": os.path.abspath(args.dir),
-                                                   "budget": args.budget, "dtype": args.dtype})]))
+                                                   "budget": args.budget, "dtype": args.dtype,
+                                                   "checksum": not args.no_checksum})]))
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
         print(f"{args.preset}, batch {args.batch}, {args.dtype}, NVMe-run budgets {human_bytes(args.budget)}; "
               f"median step of {args.steps} after a warm-up step, ratios to {kinds[0]}:")

@@ -1,7 +1,8 @@
 """outcore's own GPT: a pre-norm transformer with learned positions and (optionally) tied embeddings.
 
-Small whole file, read top to bottom: attention → block → model (shapes live in tools/presets.py). Every module has `reset_parameters`,
-so the model can be built under `runtime.deferred_init()` and materialized unit by unit.
+Small whole file, read top to bottom: attention → block → model (shapes live in tools/presets.py).
+Every module has `reset_parameters`, so the model can be built under `runtime.deferred_init()` and
+materialized unit by unit.
 """
 
 from __future__ import annotations
