@@ -133,19 +133,34 @@ def resolve_tag(directory: str, tag: str | None) -> str:
                          "name a tag (tag=..., or --tag on the command line).") from e
 
 
+def read_meta(folder: str) -> dict:
+    """A checkpoint folder's meta.json; a missing or damaged one is named in the error."""
+    meta_path = os.path.join(folder, "meta.json")
+    try:
+        with open(meta_path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"checkpoint {folder!r} has no readable meta.json ({e.strerror}).") from e
+    except json.JSONDecodeError as e:
+        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+
+
+def verify_rank_file(folder: str, meta: dict, name: str, *, checksum: bool = True) -> str:
+    """The path of rank file `name`, refused by name if it is missing or its crc32 differs."""
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint file {path!r} is missing.")
+    if checksum and f"{file_crc32(path):08x}" != meta["files"].get(name):
+        raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
+    return path
+
+
 def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> dict:
     """Restore a checkpoint written by `save_checkpoint` exactly; every rank calls it."""
     engine._wait_updates()
     tag = resolve_tag(directory, tag)
     folder = os.path.join(directory, tag)
-    meta_path = os.path.join(folder, "meta.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except OSError as e:
-        raise ValueError(f"checkpoint {folder!r} has no readable meta.json ({e.strerror}).") from e
-    except json.JSONDecodeError as e:
-        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+    meta = read_meta(folder)
     if meta.get("world_size") != engine.group.world:
         raise ValueError(f"checkpoint {folder!r} was written by {meta.get('world_size')} ranks, this run has "
                          f"{engine.group.world}; resume with the same world size.")
@@ -153,11 +168,7 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
                          "(unit layout differs); build the same model with the same unit_classes.")
     name = f"rank{engine.group.rank}.safetensors"
-    path = os.path.join(folder, name)
-    if not os.path.exists(path):
-        raise ValueError(f"checkpoint file {path!r} is missing.")
-    if f"{file_crc32(path):08x}" != meta["files"].get(name):
-        raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
+    path = verify_rank_file(folder, meta, name)
     store, place = engine.store, engine.place
     with safe_open(path, framework="pt") as f:
         for u in engine.units:

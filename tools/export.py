@@ -8,15 +8,14 @@ before the next one is read: memory is bounded by the largest single parameter.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from safetensors import safe_open
 
 from offload import StorageCorruptError
-from runtime.checkpoint import BUFFER_PREFIX, resolve_tag
-from runtime.safetensors_stream import SafetensorsWriter, file_crc32
+from runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
+from runtime.safetensors_stream import SafetensorsWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,24 +27,14 @@ def checkpoint_folder(path: str, tag: str | None = None) -> str:
     return os.path.join(path, resolve_tag(path, tag))
 
 
-def read_meta(folder: str, *, verify: bool = True) -> dict:
-    meta_path = os.path.join(folder, "meta.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{folder!r} is not a checkpoint: no readable meta.json ({e.strerror}).") from e
-    except json.JSONDecodeError as e:
-        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+def read_export_meta(folder: str, *, verify: bool = True) -> dict:
+    """meta.json, checked to carry parameter layouts, with every rank file present (and verified)."""
+    meta = read_meta(folder)
     if "state_dict_keys" not in meta or any("params" not in u for u in meta["units"]):
         raise ValueError(f"checkpoint {folder!r} predates parameter layouts in meta.json; export it from a "
                          "running engine with engine.export(path) instead.")
-    for name, crc in meta["files"].items():
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            raise ValueError(f"checkpoint file {path!r} is missing.")
-        if verify and f"{file_crc32(path):08x}" != crc:
-            raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
+    for name in meta["files"]:
+        verify_rank_file(folder, meta, name, checksum=verify)
     return meta
 
 
@@ -74,7 +63,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
     The file appears whole or not at all (written beside it, then renamed)."""
     folder = checkpoint_folder(path, tag)
-    meta = read_meta(folder, verify=verify)
+    meta = read_export_meta(folder, verify=verify)
     world = int(meta["world_size"])
     dtype = dtype or meta["config"].get("dtype", "fp32")
     if dtype not in DTYPES:

@@ -26,11 +26,11 @@ class ModelSource:
     init_fn: Callable[[nn.Module], None] | None
 
 
-def resolve_model(spec: str, *, seq: int | None = None, checkpoint_activations: bool = False) -> ModelSource:
+def resolve_model(spec: str, *, seq: int | None = None) -> ModelSource:
     """'gpt-125m' (a preset) or 'package.module:factory'; ValueError naming the choices otherwise."""
     if spec in PRESETS:
         cfg = PRESETS[spec] if seq is None else dataclasses.replace(PRESETS[spec], seq=seq)
-        return ModelSource(spec, lambda: GPT(cfg, checkpoint_activations=checkpoint_activations), cfg, init_fn(cfg))
+        return ModelSource(spec, lambda: GPT(cfg), cfg, init_fn(cfg))
     if ":" not in spec:
         raise ValueError(f"model {spec!r}: name a preset ({', '.join(PRESETS)}) or module:factory.")
     module_name, _, attr = spec.partition(":")

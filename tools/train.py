@@ -21,8 +21,9 @@ import torch
 
 import runtime
 from tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
-from tools.estimate import estimate
+from tools.estimate import ELEM, estimate
 from tools.model_source import ModelSource, resolve_model, unit_numels
+from tools.presets import PRESETS
 from tools.units import human_bytes
 
 log = logging.getLogger("outcore.train")
@@ -160,11 +161,10 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     from tools.report import progress
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    seq_override = opts.seq
-    source = resolve_model(opts.preset, seq=seq_override, checkpoint_activations=False)
+    source = resolve_model(opts.preset, seq=opts.seq)
     gpt = source.gpt
-    ckpt_acts = opts.checkpoint_activations if opts.checkpoint_activations is not None else gpt.layers >= 24
-    source = resolve_model(opts.preset, seq=seq_override, checkpoint_activations=ckpt_acts)
+    if gpt is None:
+        raise ValueError(f"--preset {opts.preset!r}: train takes a preset ({', '.join(PRESETS)}).")
     if gpt.vocab < VOCAB:
         raise ValueError(f"preset {opts.preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
     train_set, held_out = file_corpus(opts.data) if opts.data else stdlib_corpus()
@@ -181,6 +181,8 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     try:
         with runtime.deferred_init():
             model = source.build()
+        model.checkpoint_activations = (opts.checkpoint_activations if opts.checkpoint_activations is not None
+                                        else gpt.layers >= 24)
         hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         t_init = time.perf_counter()
         engine = runtime.Engine(model, config, hp, init_fn=source.init_fn, seed=opts.seed)
@@ -189,7 +191,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
             meta = engine.load_checkpoint(ckpt_dir)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        state_bytes = gpt.params * (engine._elem + 4 + 12)  # weights, fp32 gradients, fp32 master + moments
+        state_bytes = gpt.params * (ELEM[config.dtype] + 4 + 12)  # weights, fp32 gradients, master + moments
         report(f"outcore train: {opts.preset}, {gpt.params / 1e6:,.1f}M parameters "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "

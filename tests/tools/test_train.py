@@ -54,8 +54,8 @@ def test_config_file_and_text_data(tmp_path, monkeypatch):
     text.write_text("the quick brown fox jumps over the lazy dog. " * 2000, encoding="utf-8")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("offload_params: cpu\noffload_optimizer: cpu\ngrad_clip: null\nprefetch_depth: 1\n")
-    s = train(TrainOptions(steps=12, config=str(cfg), data=str(text), batch=4, save_final=False),
-              report=lambda _: None)
+    s = train(TrainOptions(steps=12, config=str(cfg), data=str(text), batch=4, save_final=False,
+                           checkpoint_activations=True), report=lambda _: None)
     assert s["offload_params"] == "cpu" and s["config"]["grad_clip"] is None and s["config"]["prefetch_depth"] == 1
     assert s["losses"][-1] < s["losses"][0] - 1.0  # a repetitive text is learned fast
     assert not os.path.exists(tmp_path / "outcore-run")
