@@ -44,6 +44,8 @@ def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
     resumed = train(TrainOptions(steps=8, out="split", resume=True, eval_every=100, **common),
                     report=lambda _: None)
     assert resumed["start_step"] == 4
+    again = train(TrainOptions(steps=8, out="split", resume=True, **common), report=lambda _: None)
+    assert again["start_step"] == 8 and again["losses"] == []  # nothing left to do, and it says so
     assert resumed["losses"] == whole["losses"][4:]  # bit for bit: same data, same states
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]  # scratch removed
 
