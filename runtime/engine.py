@@ -103,9 +103,10 @@ class Engine:
         self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
                                  prefetch_bytes=device_budget // 2)
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
-        alias = self.group.world == 1 and resident and self.place.param_tier == Tier.DEVICE
+        # One rank whose parameters rest on DEVICE: each flat buffer *is* the stored shard (one chunk).
+        self._alias = self.group.world == 1 and resident and self.place.param_tier == Tier.DEVICE
         self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident,
-                               chunk_elems=lay.shard if alias else config.sub_group_size)
+                               chunk_elems=lay.shard if self._alias else config.sub_group_size)
                       for p, lay in zip(plans, layouts, strict=True)]
         in_units = {m for u in self.units if u.plan.module is not model for m in u.plan.module.modules()}
         for unit in self.units:
@@ -340,8 +341,7 @@ class Engine:
             module, name = slot.places[0]
             flat32[off : off + slot.numel].copy_(module._parameters[name].detach().reshape(-1))
         master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
-        alias = self.group.world == 1 and unit.resident and self.place.param_tier == Tier.DEVICE
-        master_is_param = alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
+        master_is_param = self._alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
         for c in unit.chunks:
             self.store.put(c.opt_key, initial_state(master[c.start : c.end]), self.place.opt_tier)
             if not master_is_param:
@@ -352,7 +352,7 @@ class Engine:
                 del module._parameters[name]  # the flat buffer's views take their place
             slot.param = None
         if unit.resident:
-            if alias:
+            if self._alias:
                 unit.alias_shard(master=master_is_param)
             else:
                 unit.unshard()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import resource
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from offload.backends import make_engine
 from offload.io_config import IOConfig
 from offload.io_engine import IOFile, open_io_file
 from tools.fio import fio_available, fio_throughput
+from tools.report import peak_rss
 
 # [Note: bench memory] The only large buffers are the slots: queue_depth x block_size bytes. Direct
 # I/O bypasses the page cache, so peak RSS ~= interpreter + numpy + slots.
@@ -201,8 +201,7 @@ def _summarize(results: list[Result], **facts) -> dict:
             row["write_ratio_paired"] = max(x.write_ratio for x in rs)
             row["read_ratio_paired"] = max(x.read_ratio for x in rs)
         by_bs[bs] = row
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     biggest_slots = max(r.setting.queue_depth * r.setting.block_size for r in results)
     return {"results": [r.as_json() for r in results], "best_write": results.index(best_w),
-            "best_read": results.index(best_r), "by_block_size": by_bs, "peak_rss_bytes": peak_rss,
+            "best_read": results.index(best_r), "by_block_size": by_bs, "peak_rss_bytes": peak_rss(),
             "largest_host_buffers_bytes": biggest_slots, "torch_loaded": "torch" in sys.modules, **facts}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,8 @@ import time
 
 import torch
 
+from tools.report import peak_rss
 from tools.units import human_bytes, parse_size
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 # -- what one process measures ---------------------------------------------------------------------
 
@@ -70,7 +65,7 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
                 times.append(time.perf_counter() - t0)
             engine.close()
     step = statistics.median(times[1:])
-    return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": _peak_rss()}
+    return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": peak_rss()}
 
 
 def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
@@ -128,7 +123,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
               "prefetch_hit_rate": after["prefetch_hit_rate"]}
     step = statistics.median(times[1:])  # the first step records the trace and warms up
     out = {"kind": kind, "preset": preset, "dtype": dtype, "step_s": step, "all_steps_s": times,
-           "peak_rss": _peak_rss()}
+           "peak_rss": peak_rss()}
     if io:
         out.update(io, wait_fraction=io["unit_wait_s_per_step"] / step)
     return out

@@ -7,10 +7,11 @@ device), a GPT of about that size for `--params`.
 
 from __future__ import annotations
 
+from runtime.engine import DTYPES
 from runtime.flat_unit import padded_numel
 from runtime.memory_plan import MemoryPlan, plan_memory
 
-ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEM = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 OFFLOADS = ("none", "cpu", "nvme")
 
 

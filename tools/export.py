@@ -15,9 +15,8 @@ from safetensors import safe_open
 
 from offload import StorageCorruptError
 from runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
+from runtime.engine import DTYPES
 from runtime.safetensors_stream import SafetensorsWriter
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def checkpoint_folder(path: str, tag: str | None = None) -> str:
@@ -74,14 +73,13 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
             for name in param["names"]:
                 where[name] = (index, param)
     files = [safe_open(os.path.join(folder, f"rank{r}.safetensors"), framework="pt") for r in range(world)]
-    buffer_keys = {k[len(BUFFER_PREFIX):] for k in files[0].keys() if k.startswith(BUFFER_PREFIX)}
+    buffers = {k[len(BUFFER_PREFIX):]: files[0].get_tensor(k) for k in files[0].keys() if k.startswith(BUFFER_PREFIX)}
     entries = []
     for key in meta["state_dict_keys"]:
         if key in where:
             entries.append((key, DTYPES[dtype], tuple(where[key][1]["shape"])))
-        elif key in buffer_keys:
-            sl = files[0].get_slice(BUFFER_PREFIX + key)
-            entries.append((key, getattr(torch, _TORCH_NAMES[sl.get_dtype()]), tuple(sl.get_shape())))
+        elif key in buffers:
+            entries.append((key, buffers[key].dtype, tuple(buffers[key].shape)))
         else:
             raise StorageCorruptError(key, folder, "a state-dict key with neither a parameter layout nor a buffer")
     tmp = f"{out}.tmp"
@@ -98,7 +96,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                 value = last[1].to(DTYPES[dtype])
                 largest = max(largest, last[1].numel() * 4)
             else:
-                value = files[0].get_tensor(BUFFER_PREFIX + key)
+                value = buffers[key]
             writer.write(key, value)
         writer.close()
         os.replace(tmp, out)
@@ -109,7 +107,3 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
             "bytes": os.path.getsize(out), "largest_parameter_bytes": largest}
 
-
-# safetensors' dtype names → torch attribute names
-_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from contextlib import contextmanager
 
@@ -15,6 +16,11 @@ def table(headers: list[str], rows: list[list], *, out=None) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)), file=out)
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)), file=out)
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -24,6 +23,7 @@ from tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib
 from tools.estimate import ELEM, estimate
 from tools.model_source import ModelSource, resolve_model, unit_numels
 from tools.presets import PRESETS
+from tools.report import peak_rss
 from tools.units import human_bytes
 
 log = logging.getLogger("outcore.train")
@@ -139,10 +139,6 @@ def lr_at(step: int, steps: int, peak: float) -> float:
         return peak * (step + 1) / warm
     progress = (step - warm) / max(1, steps - warm)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def evaluate(engine: runtime.Engine, held_out: ByteCorpus, opts: TrainOptions, seq: int,

@@ -46,7 +46,7 @@ class Candidate:
 def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None) -> dict:
     """Run one warm-up step and `steps` timed steps in this process; step time is their median."""
     from tools.model_source import resolve_model
-    from tools.train import peak_rss
+    from tools.report import peak_rss
 
     source = resolve_model(model_spec, seq=seq)
     seq = seq or (source.gpt.seq if source.gpt else 128)
