@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import aiofiles
 import numpy as np
 
+from offload.checksum import block_checksum
 from offload.io_config import IOConfig
 from offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
 
@@ -76,7 +76,7 @@ class AiofilesIOEngine:
                 await f.seek(offset)
                 if write:
                     if checksum:
-                        crc = await self._loop.run_in_executor(None, zlib.crc32, view)
+                        crc = await self._loop.run_in_executor(None, block_checksum, view)
                     done = 0
                     while done < len(view):
                         done += await f.write(view[done:])
@@ -88,7 +88,7 @@ class AiofilesIOEngine:
                             raise ShortIOError(f"file ends at {offset + done:,}, {len(view) - done:,} bytes short")
                         done += n
                     if checksum:
-                        crc = await self._loop.run_in_executor(None, zlib.crc32, view)
+                        crc = await self._loop.run_in_executor(None, block_checksum, view)
             except OSError as e:
                 error = e
             finally:

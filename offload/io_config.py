@@ -18,7 +18,7 @@ class IOConfig:
     threads:     worker threads issuing requests; the disk sees at most min(threads, queue_depth).
     direct:      O_DIRECT where the filesystem allows it (falls back to buffered, logged once).
     backend:     "threads" (os.preadv/pwritev in a thread pool) or "aiofiles" (asyncio).
-    checksum:    crc32 of every block on write, verified on read.
+    checksum:    CRC-32C (offload/checksum.py) of every block on write, verified on read.
     """
 
     block_size: int = 1 << 20

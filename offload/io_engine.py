@@ -1,7 +1,7 @@
 """Asynchronous file I/O: worker threads issuing os.preadv/os.pwritev in `block_size` chunks.
 
 A request (one buffer, one file range) is split into blocks; at most `queue_depth` blocks are queued
-or running at once over `threads` workers. preadv/pwritev and zlib.crc32 release the GIL, so the
+or running at once over `threads` workers. preadv/pwritev and the block checksum release the GIL, so the
 workers run truly in parallel with each other and with the caller.
 
 Alignment (O_DIRECT): the buffer's address, the file offset and the length must be multiples of
@@ -16,12 +16,12 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from offload.checksum import block_checksum
 from offload.handle import Handle
 from offload.io_config import IOConfig
 
@@ -73,7 +73,7 @@ Finalizer = Callable[["IOHandle", BaseException | None], None]
 
 
 class IOHandle(Handle):
-    """Completion of one request; per-block crc32s are in `crcs` when checksums were asked for."""
+    """Completion of one request; per-block checksums are in `crcs` when checksums were asked for."""
 
     __slots__ = ("crcs", "nbytes", "_remaining", "_first_error", "_finalize", "_block_lock")
 
@@ -205,12 +205,12 @@ class ThreadIOEngine:
             try:
                 if write:
                     if checksum:
-                        crc = zlib.crc32(view)
+                        crc = block_checksum(view)
                     _pwrite_full(fd, view, offset)
                 else:
                     _pread_full(fd, view, offset)
                     if checksum:
-                        crc = zlib.crc32(view)
+                        crc = block_checksum(view)
             except OSError as e:
                 error = e
             finally:

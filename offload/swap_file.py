@@ -13,13 +13,13 @@ import json
 import os
 import shutil
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from offload.backends import IOEngine
+from offload.checksum import CHECKSUM_NAME, block_checksum
 from offload.errors import StorageCorruptError, StorageError, StorageFullError
 from offload.extents import Extent, ExtentAllocator
 from offload.io_engine import IOHandle, ShortIOError, open_io_file
@@ -36,7 +36,7 @@ class IndexEntry:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    checksum: int | None  # crc32 over the per-block crc32s; None when checksums are off
+    checksum: int | None  # checksum over the per-block checksums; None when checksums are off
 
     def as_json(self) -> dict:
         return {"offset": self.extent.offset, "nbytes": self.nbytes, "dtype": str(self.dtype).removeprefix("torch."),
@@ -56,7 +56,7 @@ def prepare_directory(directory: str) -> str:
 
 
 def combine_crcs(crcs: list[int]) -> int:
-    return zlib.crc32(np.asarray(crcs, dtype="<u4").tobytes())
+    return block_checksum(np.asarray(crcs, dtype="<u4").tobytes())
 
 
 class SwapFile:
@@ -158,7 +158,7 @@ class SwapFile:
         with self._lock:
             index = {"version": 1, "rank": self.rank, "swap_file": os.path.basename(self.path),
                      "block_size": self._engine.config.block_size,
-                     "checksum": "crc32 of each block's crc32" if self._checksum else None,
+                     "checksum": f"{CHECKSUM_NAME} of each block's {CHECKSUM_NAME}" if self._checksum else None,
                      "keys": {k: e.as_json() for k, e in self._entries.items()}}
         tmp = self.index_path + ".tmp"
         with open(tmp, "w") as f:

@@ -1,7 +1,6 @@
 import errno
 import logging
 import os
-import zlib
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from offload import io_engine
 from offload.backends import make_engine
 from offload.buffers import HostBuffer
+from offload.checksum import CHECKSUM_NAME, block_checksum
 from offload.io_config import IOConfig
 from offload.io_engine import ShortIOError, open_io_file
 
@@ -35,7 +35,7 @@ def test_write_then_read_round_trips_with_block_checksums(engine, tmp_path, nbyt
         r.wait()
         assert np.array_equal(src.array, dst.array)
         bs = engine.config.block_size
-        assert w.crcs == r.crcs == [zlib.crc32(src.array[i:i + bs]) for i in range(0, nbytes, bs)]
+        assert w.crcs == r.crcs == [block_checksum(src.array[i:i + bs]) for i in range(0, nbytes, bs)]
         assert engine.counters.bytes_read == nbytes and engine.counters.bytes_written == nbytes
     finally:
         f.close()
@@ -101,3 +101,10 @@ def test_direct_io_on_the_real_disk_and_on_tmpfs(tmp_path):
         finally:
             g.close()
             os.unlink(g.path)
+
+
+def test_block_checksum_is_the_standard_crc():
+    # The check values of the two algorithms over b"123456789" (CRC catalogue).
+    expected = {"crc32c": 0xE3069283, "crc32": 0xCBF43926}[CHECKSUM_NAME]
+    assert block_checksum(b"123456789") == expected
+    assert CHECKSUM_NAME == "crc32c", "the crc32c package (a dependency) should give hardware CRC-32C here"
