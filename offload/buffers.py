@@ -33,11 +33,12 @@ class Buffer:
         assert nbytes <= self.capacity
         return self.tensor[:nbytes].view(dtype).view(shape)
 
-    def fill_from(self, src: torch.Tensor) -> int:
-        """Copy `src`'s bytes in and zero the tail up to the next page; returns bytes copied."""
-        flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-        nbytes = flat.numel()
-        self.tensor[:nbytes].copy_(flat)
+    def fill_from(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """Copy `src` in, converted to `dtype` on the way (one pass), and zero the tail up to the
+        next page; returns bytes copied."""
+        dtype = dtype or src.dtype
+        nbytes = src.numel() * torch.empty(0, dtype=dtype).element_size()
+        self.tensor[:nbytes].view(dtype).copy_(src.detach().reshape(-1))
         tail = round_up(nbytes) - nbytes
         if tail:
             self.tensor[nbytes : nbytes + tail].zero_()

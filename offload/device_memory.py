@@ -75,10 +75,10 @@ class CudaMemory:
         self.stream.wait_stream(torch.cuda.default_stream(self.device))
         self._on_copy_stream(lambda: dst.tensor[:n].copy_(src.tensor[:n], non_blocking=dst.pinned))
 
-    def fill(self, dst: DeviceBuffer, tensor: torch.Tensor) -> None:
+    def fill(self, dst: DeviceBuffer, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Copy a caller's tensor (any device) in, after the caller's queued work, and wait for it."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._on_copy_stream(lambda: dst.fill_from(tensor.to(self.device)))
+        self._on_copy_stream(lambda: dst.fill_from(tensor.to(self.device), dtype))
         dst.tensor.record_stream(torch.cuda.default_stream(self.device))
 
     def _on_copy_stream(self, copy) -> None:

@@ -82,26 +82,29 @@ class TieredStore:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor, tier: Tier = Tier.NVME) -> Handle:
+    def put(self, key: str, tensor: torch.Tensor, tier: Tier = Tier.NVME, *,
+            dtype: torch.dtype | None = None) -> Handle:
         """Store a copy of `tensor` under `key` in `tier`; the copy is taken before put returns.
+        With `dtype`, the copy is converted to it on the way in (no intermediate tensor).
 
         To NVME the write is asynchronous (the returned handle completes when it landed); HOST and
         DEVICE copies are done on return. An existing key is replaced once the new bytes are in
         place; it must not be fetched (pinned) at the time.
         """
         tier = Tier(tier)
-        nbytes = tensor.numel() * tensor.element_size()
+        dtype = dtype or tensor.dtype
+        nbytes = tensor.numel() * torch.empty(0, dtype=dtype).element_size()
         stage = Tier.HOST if tier == Tier.NVME else tier
         with self._cond:
             self._check_open()
             old = self._settled(key)
-            rec = KeyRecord(key, nbytes, tensor.dtype, tuple(tensor.shape), MOVING[tier], dirty=True)
+            rec = KeyRecord(key, nbytes, dtype, tuple(tensor.shape), MOVING[tier], dirty=True)
             rec.move = Move(Residency.NVME, tier)
             self._records[key] = rec
         buf = None
         try:
             buf = self._reserve(stage, nbytes, rec)
-            self._fill(buf, tensor)
+            self._fill(buf, tensor, dtype)
         except BaseException as e:
             if buf is not None:
                 self._free(stage, buf)
@@ -607,12 +610,12 @@ class TieredStore:
             self._cond.notify_all()
         move.future.set_exception(error)  # fetches that chained on the failed put see why
 
-    def _fill(self, buf: Buffer, tensor: torch.Tensor) -> None:
-        """Copy a caller's tensor in (any device); lock not held."""
+    def _fill(self, buf: Buffer, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy a caller's tensor in (any device), as `dtype`; lock not held."""
         if isinstance(buf, HostBuffer):
-            buf.fill_from(tensor)  # from CUDA this is a synchronous device-to-host copy
+            buf.fill_from(tensor, dtype)  # from CUDA this is a synchronous device-to-host copy
         else:
-            self._dev.fill(buf, tensor)
+            self._dev.fill(buf, tensor, dtype)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import Tier, TieredStore
+from offload.aligned import advise_huge_pages
 from runtime.collectives import Group, all_gather_chunk
 from runtime.units import UnitPlan
 
@@ -141,6 +142,8 @@ class FlatUnit:
         storage = self.flat.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.layout.padded * self.flat.element_size())
+            if self.device.type == "cpu":  # refilled every step: fault it in 2 MiB pages, not 4 KiB
+                advise_huge_pages(storage.data_ptr(), storage.nbytes())
         # Refilling is not a change autograd must see: the views it saved are meant to read these
         # same values again in backward.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):

@@ -99,4 +99,4 @@ def write_param_chunk(chunk: Chunk, store: TieredStore, place: Placement, master
     # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward reads
     # them from memory, and only eviction under pressure writes them to the swap file.
     tier = Tier.HOST if place.param_tier == Tier.NVME else place.param_tier
-    store.put(chunk.param_key, master.to(unit.dtype), tier)
+    store.put(chunk.param_key, master, tier, dtype=unit.dtype)  # converted in the copy: no temporary
