@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(steps + 1)]
     times, io = [], None
+    usage = []  # (user s, system s, minor faults) of the whole process after each step
     if kind == "plain":
         model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -89,6 +91,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
+            usage.append(_usage())
     else:
         clip = 1.0 if kind == "nvme-clip" else None
         offload = "none" if kind == "ram" else "nvme"
@@ -113,6 +116,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
                 engine.backward(loss)
                 engine.step()
                 times.append(time.perf_counter() - t0)
+                usage.append(_usage())
             after = engine.stats()
             engine.close()
         n = len(data) - 1
@@ -122,11 +126,19 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
               "unit_wait_s_per_step": (after["unit_wait_seconds"] - before["unit_wait_seconds"]) / n,
               "prefetch_hit_rate": after["prefetch_hit_rate"]}
     step = statistics.median(times[1:])  # the first step records the trace and warms up
+    n = len(usage) - 1  # per step after the warm-up step, like `step`
+    cpu = {f"{name}_per_step": (usage[-1][i] - usage[0][i]) / n for i, name in enumerate(("user_s", "sys_s", "minflt"))}
     out = {"kind": kind, "preset": preset, "dtype": dtype, "step_s": step, "all_steps_s": times,
-           "peak_rss": peak_rss()}
+           "peak_rss": peak_rss(), **cpu}
     if io:
         out.update(io, wait_fraction=io["unit_wait_s_per_step"] / step)
     return out
+
+
+def _usage() -> tuple[float, float, int]:
+    # CPU seconds show what the wall clock hides on 2 cores: I/O threads and copies competing with compute.
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -196,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             rs = [r for r in results if r["kind"] == kind]
             step = statistics.median(r["step_s"] for r in rs)
             rss = human_bytes(max(r["peak_rss"] for r in rs))
-            line = f"  {kind:12s} {step:6.2f} s/step  {step / plain:5.2f}x  peak RSS {rss}"
+            cpu = statistics.median(r["user_s_per_step"] + r["sys_s_per_step"] for r in rs)
+            line = (f"  {kind:12s} {step:6.2f} s/step  {step / plain:5.2f}x  peak RSS {rss}  CPU {cpu:.1f} s/step"
+                    f" (sys {statistics.median(r['sys_s_per_step'] for r in rs):.1f})")
             if "wait_fraction" in rs[0]:
                 r0 = rs[0]
                 line += (f"  I/O wait {r0['wait_fraction']:.0%}  read {human_bytes(r0['read_bytes_per_step'])}"
