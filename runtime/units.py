@@ -1,6 +1,9 @@
 """Fetch units: which modules move together, and which parameters each one owns.
 
 A pure planner: it looks at the module tree and returns a plan; nothing is moved or changed here.
+The units are the repeated blocks (or the modules of the classes the config names), then, when the
+blocks were found automatically, every module outside them that is at least as large as a block
+(an untied head, an embedding), and last the root unit with everything else.
 
 [Note: unit ownership] A parameter belongs to the unit whose subtree holds every module that
 registers it. A parameter shared across units (tied embeddings: the embedding in the root and the
@@ -62,6 +65,27 @@ def _deepest_block_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{name}.{i}", child) for i, child in enumerate(container)]
 
 
+def _outer_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Outermost modules outside the blocks that hold at least as many parameters as the smallest
+    block (an untied head, a large embedding). Left in the root unit they would stay gathered for
+    the whole step, and their optimizer update would wait for the end of backward; as units of
+    their own they are gathered only while they run and updated as soon as their gradient is done."""
+    if not blocks:
+        return []
+    smallest = min(sum(p.numel() for p in b.parameters()) for _, b in blocks)
+    in_blocks = {m for _, b in blocks for m in b.modules()}
+    holds_blocks = {".".join(name.split(".")[:i]) for name, _ in blocks for i in range(1, name.count(".") + 1)}
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if m is model or m in in_blocks or name in holds_blocks:
+            continue
+        if any(name.startswith(prev + ".") for prev, _ in chosen):
+            continue
+        if sum(p.numel() for p in m.parameters()) >= smallest:
+            chosen.append((name, m))
+    return chosen
+
+
 def _by_class(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """Outermost modules whose class name is listed (a listed module inside another is not a unit)."""
     chosen: list[tuple[str, nn.Module]] = []
@@ -76,10 +100,15 @@ def _by_class(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str
 
 def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
     """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
-    blocks = _by_class(model, unit_classes) if unit_classes else _deepest_block_list(model)
-    if unit_classes and not blocks:
-        raise ValueError(f"unit_classes={list(unit_classes)} matches no module of {type(model).__name__}; "
-                         "name classes that exist in the model, or leave it empty to use the repeated blocks.")
+    if unit_classes:
+        blocks = _by_class(model, unit_classes)
+        if not blocks:
+            raise ValueError(f"unit_classes={list(unit_classes)} matches no module of {type(model).__name__}; "
+                             "name classes that exist in the model, or leave it empty to use the repeated blocks.")
+    else:
+        blocks = _deepest_block_list(model)
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        blocks = sorted(blocks + _outer_units(model, blocks), key=lambda nm: order[nm[0]])
     units = [UnitPlan(i, name, m) for i, (name, m) in enumerate(blocks)]
     root = UnitPlan(len(units), "", model)
     module_unit: dict[nn.Module, UnitPlan] = {}

@@ -134,3 +134,21 @@ def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
     assert s["evictions"] > 0 and s["host"]["peak"] <= plan.host_min and s["device"]["peak"] <= plan.device_min
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_an_untied_embedding_and_head_larger_than_a_block_are_units_of_their_own(tmp_path, clip):
+    """Gathered only while they run, updated as soon as their gradient is done; tied, they stay in the root."""
+    big_vocab = lambda tied: TinyGPT(vocab=512, d=16, heads=2, tied=tied)  # noqa: E731 - 8192-param tables
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip, prefetch_depth=2)
+    ours_model, ref_model = twins(lambda: big_vocab(False))
+    data = batches(12, vocab=512)
+    ours, engine = train_engine(ours_model, cfg, data)
+    assert [u.name for u in engine.units] == ["tok", "blocks.0", "blocks.1", "blocks.2", "head", "<root>"]
+    assert engine.stats()["trace_divergences"] == 0
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    engine.close()
+    tied = runtime.Engine(big_vocab(True), runtime.Config(stage=3, nvme_dir=str(tmp_path)))
+    assert [u.name for u in tied.units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    tied.close()
