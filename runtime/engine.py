@@ -85,6 +85,10 @@ class Engine:
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
         self._pending_updates: list[Future] = []
+        # Units in the order their gradients were final, this step and the last: an overlapped
+        # update prefetches the optimizer states of the unit expected after it.
+        self._update_order: list[int] = []
+        self._next_update: dict[int, int] = {}
         self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
         self._opt_seconds = 0.0  # time spent in optimizer updates (either path)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
@@ -253,7 +257,10 @@ class Engine:
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
         if last and self._overlapped():
-            self._pending_updates.append(self._optimizer_thread.submit(self._update, unit, 1.0))
+            self._update_order.append(unit.index)
+            following = self._next_update.get(unit.index)
+            then = self.units[following].chunks if following is not None else []
+            self._pending_updates.append(self._optimizer_thread.submit(self._update, unit, 1.0, then))
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -279,6 +286,10 @@ class Engine:
                     if c.grad_key in self.store:  # an update already dropped it
                         self.store.delete(c.grad_key)
         self._micro = 0
+        if self._update_order:
+            order = self._update_order
+            self._next_update = dict(zip(order, order[1:], strict=False))
+            self._update_order = []
         self._have_grad.clear()
         self._sqnorm.clear()
         self._overflow = False
@@ -287,10 +298,11 @@ class Engine:
         """Updates may run during backward: nothing needs every gradient first."""
         return self.config.grad_clip is None and not self.scaler.enabled
 
-    def _update(self, unit: FlatUnit, coef: float) -> None:
-        """One unit's update on the optimizer thread, while backward goes on."""
+    def _update(self, unit: FlatUnit, coef: float, then: list) -> None:
+        """One unit's update on the optimizer thread, while backward goes on; the states of `then`
+        (the next unit's chunks, expected from the last step's order) are prefetched as it ends."""
         t0 = time.perf_counter()
-        self._stream_updates(unit.chunks, coef)
+        self._stream_updates(unit.chunks, coef, then)
         unit.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
@@ -306,14 +318,17 @@ class Engine:
             u.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
-    def _stream_updates(self, order: list, coef: float) -> None:
-        """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier."""
+    def _stream_updates(self, order: list, coef: float, then: list = ()) -> None:
+        """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
+        (past the end of `order`, the optimizer states of the chunks in `then`)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
         for i, chunk in enumerate(order):
             if streaming:
                 ahead = order[i + 1 : i + 1 + depth]
-                self.store.prefetch([k for c in ahead for k in (c.opt_key, c.grad_key)], self.place.work_tier)
+                keys = [k for c in ahead for k in (c.opt_key, c.grad_key)]
+                keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
+                self.store.prefetch(keys, self.place.work_tier)
             update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
@@ -345,7 +360,7 @@ class Engine:
         for c in unit.chunks:
             self.store.put(c.opt_key, initial_state(master[c.start : c.end]), self.place.opt_tier)
             if not master_is_param:
-                self.store.put(c.param_key, master[c.start : c.end].to(self.dtype), self.place.param_tier)
+                self.store.put(c.param_key, master[c.start : c.end], self.place.param_tier, dtype=self.dtype)
         del flat32, master
         for slot in unit.plan.slots:
             for module, name in slot.places:
