@@ -129,6 +129,15 @@ class Engine:
         self.phase = Phase.FORWARD
         try:
             return self.model(*args, **kwargs)
+        except RuntimeError as e:
+            if "storage of size 0" not in str(e):
+                raise
+            raise RuntimeError(
+                "the model read a parameter whose unit was released: a unit's parameters exist only while "
+                f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
+                "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
+                "or name the block classes in Config.unit_classes, which keeps other modules in the root unit."
+            ) from e
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit

@@ -152,3 +152,26 @@ def test_an_untied_embedding_and_head_larger_than_a_block_are_units_of_their_own
     tied = runtime.Engine(big_vocab(True), runtime.Config(stage=3, nvme_dir=str(tmp_path)))
     assert [u.name for u in tied.units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
     tied.close()
+
+
+def test_a_parameter_read_outside_its_units_forward_is_a_clear_error(tmp_path):
+    class ReadsEmbeddingDirectly(TinyGPT):
+        def forward(self, idx, targets):
+            x = self.tok(idx)
+            for b in self.blocks:
+                x = b(x)
+            logits = self.ln_f(x) @ self.tok.weight.T  # `tok` ran and was released before this
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    cfg = runtime.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path))
+    engine = runtime.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False), cfg)
+    x, y = batches(1, vocab=512)[0]
+    with pytest.raises(RuntimeError, match="read a parameter whose unit was released.*unit_classes"):
+        engine(x, y)
+    engine.close()
+    works = runtime.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False),
+                           runtime.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path),
+                                          unit_classes=("Block",)))
+    works.backward(works(x, y))
+    works.step()
+    works.close()
