@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -39,6 +40,27 @@ log = logging.getLogger(__name__)
 
 class _PrefetchDropped(StorageError):
     """A prefetch found no room and nobody waits for it: it is dropped, not an error."""
+
+
+class StagedPut:
+    """A put in progress (`TieredStore.stage`): write `tensor`, then `commit()` once or `abort(error)`."""
+
+    def __init__(self, store: TieredStore, record: KeyRecord, old: KeyRecord | None, tier: Tier,
+                 buffer: Buffer) -> None:
+        self.store, self.record, self.old, self.tier, self.buffer = store, record, old, tier, buffer
+        self.tensor = buffer.view(record.nbytes, record.dtype, record.shape)
+        self._open = True
+
+    def commit(self) -> Handle:
+        assert self._open, "StagedPut committed or aborted twice"
+        self._open = False
+        return self.store._commit_put(self)
+
+    def abort(self, error: BaseException) -> None:
+        if self._open:
+            self._open = False
+            self.store._free(Tier.HOST if self.tier == Tier.NVME else self.tier, self.buffer)
+            self.store._undo_put(self.record, self.old, error)
 
 
 class TieredStore:
@@ -91,30 +113,46 @@ class TieredStore:
         DEVICE copies are done on return. An existing key is replaced once the new bytes are in
         place; it must not be fetched (pinned) at the time.
         """
-        tier = Tier(tier)
         dtype = dtype or tensor.dtype
-        nbytes = tensor.numel() * torch.empty(0, dtype=dtype).element_size()
+        staged = self.stage(key, tuple(tensor.shape), dtype, tier)
+        try:
+            self._fill(staged.buffer, tensor, dtype)
+        except BaseException as e:
+            staged.abort(e)
+            raise
+        return staged.commit()
+
+    def stage(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, tier: Tier = Tier.NVME) -> StagedPut:
+        """A put whose bytes the caller writes in place: fill `.tensor`, then `commit()` (what
+        `put` returns) or `abort(error)`. Until then the key is on its way, and fetches of it wait."""
+        tier = Tier(tier)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         stage = Tier.HOST if tier == Tier.NVME else tier
         with self._cond:
             self._check_open()
             old = self._settled(key)
-            rec = KeyRecord(key, nbytes, dtype, tuple(tensor.shape), MOVING[tier], dirty=True)
+            rec = KeyRecord(key, nbytes, dtype, tuple(shape), MOVING[tier], dirty=True)
             rec.move = Move(Residency.NVME, tier)
             self._records[key] = rec
-        buf = None
         try:
             buf = self._reserve(stage, nbytes, rec)
-            self._fill(buf, tensor, dtype)
         except BaseException as e:
-            if buf is not None:
-                self._free(stage, buf)
             self._undo_put(rec, old, e)
             raise
-        if tier != Tier.NVME:
+        return StagedPut(self, rec, old, tier, buf)
+
+    def _commit_put(self, staged: StagedPut) -> Handle:
+        rec, buf, old = staged.record, staged.buffer, staged.old
+        tail = round_up(rec.nbytes) - rec.nbytes
+        if tail:  # the same bytes on every write of the key, whatever the buffer held before
+            buf.tensor[rec.nbytes : rec.nbytes + tail].zero_()
+        if buf.tensor.is_cuda:
+            torch.cuda.current_stream(buf.tensor.device).synchronize()  # filled on the caller's stream
+        if staged.tier != Tier.NVME:
             with self._cond:
                 move, rec.buffer = rec.move, buf
-                self._land(rec, STABLE[tier], old_buffer=self._old_memory(old))
-                self._swap.discard(key)  # the swap copy is stale now
+                self._land(rec, STABLE[staged.tier], old_buffer=self._old_memory(old))
+                self._swap.discard(rec.key)  # the swap copy is stale now
                 view = rec.view()
             move.future.set_result(view)
             return Handle.completed()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from offload import StorageCorruptError
-from runtime.optimizer import write_param_chunk
+from runtime.optimizer import ParamWriter
 from runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
 if TYPE_CHECKING:
@@ -170,6 +170,7 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     name = f"rank{engine.group.rank}.safetensors"
     path = verify_rank_file(folder, meta, name)
     store, place = engine.store, engine.place
+    params = ParamWriter(store, place)
     with safe_open(path, framework="pt") as f:
         for u in engine.units:
             for c in u.chunks:
@@ -181,7 +182,7 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
                     store.release(c.opt_key, dirty=True)
                     continue
                 store.put(c.opt_key, state, place.opt_tier)
-                write_param_chunk(c, store, place, state[: c.numel])
+                params.write(c, state[: c.numel])
             if u.resident:
                 u.refresh_resident()
         buffers = {k[len(BUFFER_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(BUFFER_PREFIX)}

@@ -37,7 +37,7 @@ from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
 from runtime.memory_plan import MemoryPlan, plan_memory
-from runtime.optimizer import AdamW, Placement, initial_state, update_chunks
+from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
 from runtime.units import plan_units
@@ -274,17 +274,16 @@ class Engine:
     # -- internals --------------------------------------------------------------------------------
 
     def _gathered_bytes(self) -> int:
-        return sum(u.flat.untyped_storage().nbytes() for u in self.units
-                   if u.state is UnitState.UNSHARDED and not u.aliased)
+        return sum(u.flat.untyped_storage().nbytes() for u in self.units  # borrowed ones are in the store
+                   if u.state is UnitState.UNSHARDED and not u.aliased and not u.borrowed)
 
     def _note_gathered(self) -> None:
         self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
 
     def _prefetch(self, unit_indices: list[int]) -> None:
         """Start bringing the parameter shards of the units expected next onto the device."""
-        keys = [c.param_key for i in unit_indices
-                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED
-                for c in self.units[i].chunks]
+        keys = [self.units[i].param_key for i in unit_indices
+                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
             self.store.prefetch(keys, Tier.DEVICE)
 
@@ -320,7 +319,8 @@ class Engine:
         units = [u for u in self.units if u.index in self._have_grad]
         order = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
-            update_chunks(order, self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            update_chunks(order, self.store, self.place, self.hp, ParamWriter(self.store, self.place), lr=self.lr,
+                          grad_scale=coef)
         else:
             self._stream_updates(order, coef)
         for u in units:
@@ -332,13 +332,14 @@ class Engine:
         (past the end of `order`, the optimizer states of the chunks in `then`)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
+        params = ParamWriter(self.store, self.place)
         for i, chunk in enumerate(order):
             if streaming:
                 ahead = order[i + 1 : i + 1 + depth]
                 keys = [k for c in ahead for k in (c.opt_key, c.grad_key)]
                 keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                 self.store.prefetch(keys, self.place.work_tier)
-            update_chunks([chunk], self.store, self.place, self.hp, lr=self.lr, grad_scale=coef)
+            update_chunks([chunk], self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
@@ -368,8 +369,8 @@ class Engine:
         master_is_param = self._alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
         for c in unit.chunks:
             self.store.put(c.opt_key, initial_state(master[c.start : c.end]), self.place.opt_tier)
-            if not master_is_param:
-                self.store.put(c.param_key, master[c.start : c.end], self.place.param_tier, dtype=self.dtype)
+        if not master_is_param:
+            self.store.put(unit.param_key, master, self.place.param_tier, dtype=self.dtype)
         del flat32, master
         for slot in unit.plan.slots:
             for module, name in slot.places:

@@ -1,11 +1,19 @@
 """One fetch unit at run time: its flat parameter buffer, its shard keys, its two states.
 
-[Note: unit states] SHARDED: only this rank's shard exists, in the store (key `param`); the flat
-buffer's storage has size 0. UNSHARDED: the flat buffer holds the whole unit (gathered from every
-rank's shard) and the modules' parameter attributes are views of it. `unshard()` and `reshard()`
-are the only transitions. A *resident* unit never reshards: stages 1 and 2 keep whole parameters,
-and a single rank whose parameters rest on DEVICE aliases the flat buffer to the stored shard
-itself, so nothing is copied.
+[Note: unit states] SHARDED: only this rank's shard exists, in the store (key `u<i>.param`); the
+flat buffer's storage has size 0. UNSHARDED: the flat buffer holds the whole unit (gathered from
+every rank's shard) and the modules' parameter attributes are views of it. `unshard()` and
+`reshard()` are the only transitions. A *resident* unit never reshards: stages 1 and 2 keep whole
+parameters, and a single rank whose parameters rest on DEVICE aliases the flat buffer to the stored
+shard itself, so nothing is copied.
+
+[Note: borrowed shards] With one rank the shard *is* the whole unit, so `unshard()` does not copy
+it: the flat buffer's storage swaps memory with the store's buffer of the fetched shard
+(`UntypedStorage._swap_data_ptr_`), and `reshard()` swaps it back and releases the key. The key
+stays pinned while the unit is gathered, so the store neither moves nor frees that memory, and the
+gathered unit is counted in the DEVICE budget instead of beside it. Meanwhile the store's own view
+of the key is empty: nothing else may fetch or replace it (the engine updates a unit only after
+releasing it).
 
 The flat buffer is one autograd leaf for the whole unit: its storage is freed and refilled in
 place (`untyped_storage().resize_`), so the views saved by autograd in forward are valid again
@@ -59,8 +67,9 @@ def padded_numel(numel: int, world: int, elem_size: int) -> int:
 @dataclass(frozen=True, slots=True, eq=False)
 class Chunk:
     """Elements [start, end) of a unit's shard: the grain of optimizer streaming (DeepSpeed's
-    sub-group). Each chunk has its own parameter, [master|m|v] and gradient keys, so the HOST memory
-    the optimizer pipeline needs is bounded by the chunk size, not by the largest unit."""
+    sub-group). Each chunk has its own [master|m|v] and gradient keys, so the HOST memory the
+    optimizer pipeline needs is bounded by the chunk size, not by the largest unit. The parameter
+    shard is one key per unit (`FlatUnit.param_key`), which one rank borrows whole."""
 
     unit: FlatUnit
     index: int
@@ -70,10 +79,6 @@ class Chunk:
     @property
     def numel(self) -> int:
         return self.end - self.start
-
-    @property
-    def param_key(self) -> str:
-        return f"u{self.unit.index}.param{self.index}"
 
     @property
     def opt_key(self) -> str:
@@ -100,7 +105,9 @@ class FlatUnit:
         step = max(1, min(chunk_elems, layout.shard))
         self.chunks = [Chunk(self, c, a, min(a + step, layout.shard))
                        for c, a in enumerate(range(0, layout.shard, step))]
+        self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
         self.state = UnitState.SHARDED
+        self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
         self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
         self.flat.untyped_storage().resize_(0)
@@ -125,11 +132,10 @@ class FlatUnit:
         [master|m|v] itself, so the fused update writes the live parameters and nothing is copied.
         """
         assert self.group.world == 1 and self.resident and len(self.chunks) == 1
-        chunk = self.chunks[0]
         if master:
-            shard = self.store.fetch(chunk.opt_key, Tier.DEVICE).result()[: self.layout.shard]
+            shard = self.store.fetch(self.chunks[0].opt_key, Tier.DEVICE).result()[: self.layout.shard]
         else:
-            shard = self.store.fetch(chunk.param_key, Tier.DEVICE).result()
+            shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
         self.flat = shard.detach().requires_grad_()
         self._aliased = True
         self.master_is_param = master
@@ -138,6 +144,10 @@ class FlatUnit:
     def unshard(self) -> None:
         """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
         if self.state is UnitState.UNSHARDED:
+            return
+        if self.group.world == 1 and not self.resident:
+            self._borrow()
+            self.state = UnitState.UNSHARDED
             return
         storage = self.flat.untyped_storage()
         if storage.size() == 0:
@@ -150,26 +160,42 @@ class FlatUnit:
             self._gather_into(self.flat)
         self.state = UnitState.UNSHARDED
 
-    def _gather_into(self, full: torch.Tensor, window: int = 2) -> None:
-        """Chunk by chunk, with `window` fetches in flight: the device holds a few chunks of a large
-        unit's shard at a time, never all of it."""
-        futures = {}
-        for i, chunk in enumerate(self.chunks):
-            for ahead in self.chunks[i : i + window]:
-                if ahead.index not in futures:
-                    futures[ahead.index] = self.store.fetch(ahead.param_key, Tier.DEVICE)
-            t0 = time.perf_counter()
-            piece = futures.pop(chunk.index).result()
-            self.wait_seconds += time.perf_counter() - t0
-            try:
-                all_gather_chunk(full, piece, self.layout.shard, chunk.start, chunk.end, self.group)
-            finally:
-                self.store.release(chunk.param_key)
+    def _fetch_shard(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        self.wait_seconds += time.perf_counter() - t0
+        return shard
+
+    def _borrow(self) -> None:
+        """World 1: the flat buffer takes the fetched shard's memory; see [Note: borrowed shards]."""
+        shard = self._fetch_shard()
+        storage = shard.untyped_storage()
+        assert shard.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
+        self.flat.untyped_storage()._swap_data_ptr_(storage)
+        self._borrowed = storage
+
+    def _gather_into(self, full: torch.Tensor) -> None:
+        """Every rank's shard of the unit into `full`."""
+        piece = self._fetch_shard()
+        try:
+            all_gather_chunk(full, piece, self.layout.shard, 0, self.layout.shard, self.group)
+        finally:
+            self.store.release(self.param_key)
+
+    @property
+    def borrowed(self) -> bool:
+        """Gathered by borrowing the store's buffer: its bytes are counted in the DEVICE budget."""
+        return self._borrowed is not None
 
     def reshard(self) -> None:
         """Free the full parameters (allowed from UNSHARDED only; never for resident units)."""
         assert self.state is UnitState.UNSHARDED and not self.resident, f"{self.name}: cannot reshard"
-        self.flat.untyped_storage().resize_(0)
+        if self._borrowed is not None:
+            self.flat.untyped_storage()._swap_data_ptr_(self._borrowed)  # the store's buffer gets its memory back
+            self._borrowed = None
+            self.store.release(self.param_key)
+        else:
+            self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
     def bind_views(self) -> None:
@@ -194,7 +220,7 @@ class FlatUnit:
 
     def full_values(self) -> torch.Tensor:
         """The whole unit's parameters gathered into a new buffer (for state dicts and export)."""
-        if self._aliased:
+        if self._aliased or self.state is UnitState.UNSHARDED:
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
         self._gather_into(full)

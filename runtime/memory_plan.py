@@ -8,8 +8,10 @@ Three kinds of bytes:
   fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
   and updated parameter shards kept in HOST on their way to NVMe;
 - gathered: whole-unit parameter buffers outside the store (the units being computed under
-  ZeRO-3; every unit, whole, under stages 1 and 2). Activations are the model's and not counted.
-Every store key occupies whole pages, so counts are rounded per chunk.
+  ZeRO-3 with several ranks; every unit, whole, under stages 1 and 2). One rank borrows the stored
+  shard instead (runtime/flat_unit.py, [Note: borrowed shards]), so its gathered units are DEVICE
+  runtime bytes. Activations are the model's and not counted.
+Every store key occupies whole pages, so counts are rounded per key.
 """
 
 from __future__ import annotations
@@ -69,14 +71,19 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
     flat = [c for cs in chunks for c in cs]
     chunk = max(flat)
 
-    param_all = 0 if master_is_param else sum(_pages(c * elem) for c in flat)
+    param_all = 0 if master_is_param else sum(_pages(s * elem) for s in shards)  # one key per unit
     state_all = sum(_pages(c * 12) for c in flat)
     grad_all = sum(_pages(c * 4) for c in flat)
     if overlapped:
         grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
-    param_chunk = _pages(chunk * elem)
-    replacing = 0 if master_is_param or aliased else param_chunk  # a new parameter chunk beside the old
     largest_unit = max(_pages(s * elem) for s in shards)
+    replacing = 0 if master_is_param or aliased else largest_unit  # a unit's new parameters beside the old
+    full = [_pages(p * elem) for p in padded]
+    # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
+    # last backward) and, in backward, the unit computing and the one whose output gradient it made.
+    blocks = sorted(full[:-1], reverse=True)[:2]
+    held = full[-1] + sum(blocks) + PAGE * (1 + len(blocks))
+    borrowing = world == 1 and not resident
 
     dev = dict(states=0, runtime=0, gathered=0)
     host = dict(states=0, runtime=0, gathered=0)
@@ -87,14 +94,17 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
 
     if params_on == "none":
         dev_min = param_all
-    else:  # prefetch window of whole units' shards, fetched a few chunks at a time
-        dev_min = 4 * (param_chunk + PAGE)
+    elif borrowing:  # the gathered units are the stored shards, pinned; the prefetch window beside them
+        dev_min = held
+        dev["runtime"] += held + depth * (largest_unit + PAGE)
+    else:  # the prefetch window of whole units' shards
+        dev_min = 2 * (largest_unit + PAGE)
         dev["runtime"] += max((depth + 1) * (largest_unit + PAGE), dev_min)
     host_min = param_all if params_on == "cpu" else 0
     if params_on == "nvme":
         # Updated shards go to HOST and reach NVMe only when evicted: with room, HOST caches them all.
         host["runtime"] += param_all
-        host_min += param_chunk + PAGE
+        host_min += largest_unit + PAGE
     work = dev if work_on_device else host
     work["runtime"] += grad_all
     where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
@@ -109,9 +119,6 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         host_min += window
     else:
         host_min += state_all
-    if not aliased:
-        full = [_pages(p * elem) for p in padded]
-        # Stages 1-2 keep every unit whole; ZeRO-3 holds the root unit (outside the repeated blocks,
-        # needed from the first forward to the last backward) and the block computing.
-        dev["gathered"] = sum(full) if resident else full[-1] + max(full[:-1], default=0)
+    if not aliased and not borrowing:  # stages 1-2 keep every unit whole
+        dev["gathered"] = sum(full) if resident else held
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min)

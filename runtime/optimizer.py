@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from offload import Tier, TieredStore
+from offload.store import StagedPut
 from runtime.flat_unit import Chunk
 
 
@@ -52,8 +53,8 @@ def initial_state(master: torch.Tensor) -> torch.Tensor:
     return state
 
 
-def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, *, lr: float,
-                  grad_scale: float) -> None:
+def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter, *,
+                  lr: float, grad_scale: float) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -75,7 +76,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
                             beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
                             amsgrad=False, maximize=False)
         for c, master in zip(chunks, masters, strict=True):
-            write_param_chunk(c, store, place, master)
+            params.write(c, master)
     finally:
         for c in chunks:
             store.release(c.grad_key)
@@ -87,16 +88,47 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
 
 
-def write_param_chunk(chunk: Chunk, store: TieredStore, place: Placement, master: torch.Tensor) -> None:
-    """The compute-dtype parameters of a chunk from its fp32 master values."""
-    unit = chunk.unit
-    if unit.master_is_param:
-        return  # the fused update already wrote the live parameters
-    if unit._aliased:  # the stored shard is the live flat buffer: update it in place
-        with torch.no_grad():
-            unit.flat[chunk.start : chunk.end].copy_(master)
-        return
-    # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward reads
-    # them from memory, and only eviction under pressure writes them to the swap file.
-    tier = Tier.HOST if place.param_tier == Tier.NVME else place.param_tier
-    store.put(chunk.param_key, master, tier, dtype=unit.dtype)  # converted in the copy: no temporary
+class ParamWriter:
+    """Writes updated parameters, chunk by chunk, into each unit's one parameter key.
+
+    A unit's new shard is staged in its tier (`TieredStore.stage`) at its first chunk, filled as
+    each chunk's update finishes (converted to the compute dtype in the copy) and committed with its
+    last chunk, so the old shard stays readable until the new one is whole.
+    """
+
+    def __init__(self, store: TieredStore, place: Placement) -> None:
+        self.store = store
+        self.place = place
+        self._open: dict[int, tuple[StagedPut, int]] = {}  # unit index -> (staged put, chunks left)
+
+    def write(self, chunk: Chunk, master: torch.Tensor) -> None:
+        unit = chunk.unit
+        if unit.master_is_param:
+            return  # the fused update already wrote the live parameters
+        if unit.aliased:  # the stored shard is the live flat buffer: update it in place
+            with torch.no_grad():
+                unit.flat[chunk.start : chunk.end].copy_(master)
+            return
+        if unit.index not in self._open:
+            # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward
+            # reads them from memory, and only eviction under pressure writes them to the swap file.
+            tier = Tier.HOST if self.place.param_tier == Tier.NVME else self.place.param_tier
+            staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier)
+            self._open[unit.index] = (staged, len(unit.chunks))
+        staged, left = self._open[unit.index]
+        try:
+            staged.tensor[chunk.start : chunk.end].copy_(master)
+        except BaseException as e:
+            self.abort(e)
+            raise
+        if left > 1:
+            self._open[unit.index] = (staged, left - 1)
+        else:
+            del self._open[unit.index]
+            staged.commit()
+
+    def abort(self, error: BaseException) -> None:
+        """Give up every unit not yet whole: its old parameters stay."""
+        for staged, _ in self._open.values():
+            staged.abort(error)
+        self._open.clear()

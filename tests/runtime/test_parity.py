@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_losses_match, train_engine, train_plain, twins
+from helpers import HP, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
 
 import runtime
@@ -175,3 +175,23 @@ def test_a_parameter_read_outside_its_units_forward_is_a_clear_error(tmp_path):
     works.backward(works(x, y))
     works.step()
     works.close()
+
+
+def test_one_rank_gathers_a_unit_by_borrowing_its_stored_shard(tmp_path):
+    """No copy: inside forward the block's flat buffer is the store's page-aligned buffer, counted in
+    the DEVICE budget, and nothing is gathered beside the store."""
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         sub_group_size=1024, grad_clip=None)
+    ours_model, ref_model = twins(TinyGPT)
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    unit = next(u for u in engine.units if u.name == "blocks.1")
+    assert len(unit.chunks) > 1  # optimizer chunks do not split the parameter key
+    seen = []
+    ours_model.blocks[1].register_forward_pre_hook(  # runs after the engine's, which gathers
+        lambda *_: seen.append((unit.borrowed, unit.flat.untyped_storage().data_ptr() % 4096)))
+    data = batches(6)
+    ours, engine = train_engine(ours_model, cfg, data, engine=engine)
+    assert seen == [(True, 0)] * 6
+    assert engine.stats()["gathered"]["peak"] == 0 and not unit.borrowed
+    assert_losses_match(ours, train_plain(ref_model, data))
+    engine.close()
