@@ -170,8 +170,7 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     name = f"rank{engine.group.rank}.safetensors"
     path = verify_rank_file(folder, meta, name)
     store, place = engine.store, engine.place
-    params = ParamWriter(store, place)
-    with safe_open(path, framework="pt") as f:
+    with safe_open(path, framework="pt") as f, ParamWriter(store, place) as params:
         for u in engine.units:
             for c in u.chunks:
                 state = f.get_tensor(c.opt_key)

@@ -319,8 +319,8 @@ class Engine:
         units = [u for u in self.units if u.index in self._have_grad]
         order = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
-            update_chunks(order, self.store, self.place, self.hp, ParamWriter(self.store, self.place), lr=self.lr,
-                          grad_scale=coef)
+            with ParamWriter(self.store, self.place) as params:
+                update_chunks(order, self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
         else:
             self._stream_updates(order, coef)
         for u in units:
@@ -332,14 +332,14 @@ class Engine:
         (past the end of `order`, the optimizer states of the chunks in `then`)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
-        params = ParamWriter(self.store, self.place)
-        for i, chunk in enumerate(order):
-            if streaming:
-                ahead = order[i + 1 : i + 1 + depth]
-                keys = [k for c in ahead for k in (c.opt_key, c.grad_key)]
-                keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
-                self.store.prefetch(keys, self.place.work_tier)
-            update_chunks([chunk], self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
+        with ParamWriter(self.store, self.place) as params:
+            for i, chunk in enumerate(order):
+                if streaming:
+                    ahead = order[i + 1 : i + 1 + depth]
+                    keys = [k for c in ahead for k in (c.opt_key, c.grad_key)]
+                    keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
+                    self.store.prefetch(keys, self.place.work_tier)
+                update_chunks([chunk], self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:

@@ -93,7 +93,8 @@ class ParamWriter:
 
     A unit's new shard is staged in its tier (`TieredStore.stage`) at its first chunk, filled as
     each chunk's update finishes (converted to the compute dtype in the copy) and committed with its
-    last chunk, so the old shard stays readable until the new one is whole.
+    last chunk. Used as a context manager: if the pass fails, every unit not yet whole is given up
+    and keeps its old parameters (fetches of it wait for the commit or the abort, never hang).
     """
 
     def __init__(self, store: TieredStore, place: Placement) -> None:
@@ -116,19 +117,17 @@ class ParamWriter:
             staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier)
             self._open[unit.index] = (staged, len(unit.chunks))
         staged, left = self._open[unit.index]
-        try:
-            staged.tensor[chunk.start : chunk.end].copy_(master)
-        except BaseException as e:
-            self.abort(e)
-            raise
+        staged.tensor[chunk.start : chunk.end].copy_(master)
         if left > 1:
             self._open[unit.index] = (staged, left - 1)
         else:
             del self._open[unit.index]
             staged.commit()
 
-    def abort(self, error: BaseException) -> None:
-        """Give up every unit not yet whole: its old parameters stay."""
+    def __enter__(self) -> ParamWriter:
+        return self
+
+    def __exit__(self, kind, error, _tb) -> None:
         for staged, _ in self._open.values():
-            staged.abort(error)
+            staged.abort(error or RuntimeError("the update pass ended before these units were whole"))
         self._open.clear()
