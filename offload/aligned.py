@@ -27,10 +27,9 @@ def aligned_array(nbytes: int) -> np.ndarray:
     the last array viewing it is gone (glibc's heap never holds it).
     """
     m = mmap.mmap(-1, round_up(max(nbytes, 1)))
-    if len(m) >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
     arr = np.frombuffer(m, dtype=np.uint8)  # keeps the mapping alive
     assert arr.ctypes.data % PAGE == 0
+    advise_huge_pages(arr.ctypes.data, arr.nbytes)
     return arr
 
 

@@ -33,16 +33,10 @@ class Buffer:
         assert nbytes <= self.capacity
         return self.tensor[:nbytes].view(dtype).view(shape)
 
-    def fill_from(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> int:
-        """Copy `src` in, converted to `dtype` on the way (one pass), and zero the tail up to the
-        next page; returns bytes copied."""
+    def fill_from(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Copy `src` in, converted to `dtype` on the way (one pass)."""
         dtype = dtype or src.dtype
-        nbytes = src.numel() * torch.empty(0, dtype=dtype).element_size()
-        self.tensor[:nbytes].view(dtype).copy_(src.detach().reshape(-1))
-        tail = round_up(nbytes) - nbytes
-        if tail:
-            self.tensor[nbytes : nbytes + tail].zero_()
-        return nbytes
+        self.tensor[: src.numel() * dtype.itemsize].view(dtype).copy_(src.detach().reshape(-1))
 
 
 class HostBuffer(Buffer):

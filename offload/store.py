@@ -126,7 +126,7 @@ class TieredStore:
         """A put whose bytes the caller writes in place: fill `.tensor`, then `commit()` (what
         `put` returns) or `abort(error)`. Until then the key is on its way, and fetches of it wait."""
         tier = Tier(tier)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         stage = Tier.HOST if tier == Tier.NVME else tier
         with self._cond:
             self._check_open()

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
@@ -327,7 +328,7 @@ class Engine:
             u.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
-    def _stream_updates(self, order: list, coef: float, then: list = ()) -> None:
+    def _stream_updates(self, order: list, coef: float, then: Sequence = ()) -> None:
         """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
         (past the end of `order`, the optimizer states of the chunks in `then`)."""
         depth = max(1, self.config.prefetch_depth)

@@ -75,26 +75,23 @@ def _outer_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[
     smallest = min(sum(p.numel() for p in b.parameters()) for _, b in blocks)
     in_blocks = {m for _, b in blocks for m in b.modules()}
     holds_blocks = {".".join(name.split(".")[:i]) for name, _ in blocks for i in range(1, name.count(".") + 1)}
-    chosen: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if m is model or m in in_blocks or name in holds_blocks:
-            continue
-        if any(name.startswith(prev + ".") for prev, _ in chosen):
-            continue
-        if sum(p.numel() for p in m.parameters()) >= smallest:
-            chosen.append((name, m))
-    return chosen
+    return _outermost((name, m) for name, m in model.named_modules()
+                      if m is not model and m not in in_blocks and name not in holds_blocks
+                      and sum(p.numel() for p in m.parameters()) >= smallest)
 
 
 def _by_class(model: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """Outermost modules whose class name is listed (a listed module inside another is not a unit)."""
+    return _outermost((name, m) for name, m in model.named_modules()
+                      if m is not model and type(m).__name__ in unit_classes)
+
+
+def _outermost(candidates) -> list[tuple[str, nn.Module]]:
+    """Candidates in module order, leaving out any inside one already taken."""
     chosen: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if m is model or type(m).__name__ not in unit_classes:
-            continue
-        if any(name.startswith(prev + ".") for prev, _ in chosen):
-            continue
-        chosen.append((name, m))
+    for name, m in candidates:
+        if not any(name.startswith(prev + ".") for prev, _ in chosen):
+            chosen.append((name, m))
     return chosen
 
 
