@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiofiles
 import numpy as np
 
+from offload.background import lower_priority
 from offload.checksum import block_checksum
 from offload.io_config import IOConfig
 from offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
@@ -26,10 +27,11 @@ class AiofilesIOEngine:
     def __init__(self, config: IOConfig) -> None:
         self.config = config
         self.counters = IOCounters()
-        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="outcore-aio")
+        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="outcore-aio",
+                                            initializer=lower_priority, initargs=(config.nice,))
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._executor)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="outcore-aio-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="outcore-aio-loop", daemon=True)
         self._thread.start()
         self._files: dict[str, asyncio.Queue] = {}  # path -> idle aiofiles objects (loop thread only)
         self._opened: list = []
@@ -42,6 +44,10 @@ class AiofilesIOEngine:
     def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
               finalize: Finalizer | None = None) -> IOHandle:
         return self._submit(True, file, offset, array, checksum, finalize)
+
+    def _run_loop(self) -> None:
+        lower_priority(self.config.nice)
+        self._loop.run_forever()
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._close_files(), self._loop).result()

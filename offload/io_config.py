@@ -19,6 +19,8 @@ class IOConfig:
     direct:      O_DIRECT where the filesystem allows it (falls back to buffered, logged once).
     backend:     "threads" (os.preadv/pwritev in a thread pool) or "aiofiles" (asyncio).
     checksum:    CRC-32C (offload/checksum.py) of every block on write, verified on read.
+    nice:        how much lower than compute the store's and optimizer's threads run (Linux nice
+                 increment, 0 = the same); see offload/background.py.
     """
 
     block_size: int = 1 << 20
@@ -27,6 +29,7 @@ class IOConfig:
     direct: bool = True
     backend: str = "threads"
     checksum: bool = True
+    nice: int = 15
 
     def __post_init__(self) -> None:
         if self.block_size < PAGE or self.block_size % PAGE:
@@ -35,6 +38,8 @@ class IOConfig:
             raise ValueError(f"io.queue_depth={self.queue_depth} must be at least 1.")
         if self.threads < 1:
             raise ValueError(f"io.threads={self.threads} must be at least 1.")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"io.nice={self.nice} must lie in 0..19 (0: background threads at compute's priority).")
         if self.backend not in BACKENDS:
             raise ValueError(f"io.backend={self.backend!r} is not one of {', '.join(BACKENDS)}.")
 

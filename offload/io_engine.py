@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from offload.background import lower_priority
 from offload.checksum import block_checksum
 from offload.handle import Handle
 from offload.io_config import IOConfig
@@ -198,6 +199,7 @@ class ThreadIOEngine:
         return handle
 
     def _work(self) -> None:
+        lower_priority(self.config.nice)
         while (item := self._queue.get()) is not None:
             handle, index, write, fd, offset, view, checksum = item
             crc, error = 0, None

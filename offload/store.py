@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from offload.backends import make_engine
+from offload.background import lower_priority
 from offload.buffer_pool import HostBufferPool
 from offload.buffers import Buffer, HostBuffer
 from offload.device_memory import CudaMemory
@@ -89,7 +90,8 @@ class TieredStore:
             raise
         self._records: dict[str, KeyRecord] = {}
         self._cond = threading.Condition(threading.RLock())
-        self._movers = ThreadPoolExecutor(max(4, self.io.threads), thread_name_prefix="outcore-move")
+        self._movers = ThreadPoolExecutor(max(4, self.io.threads), thread_name_prefix="outcore-move",
+                                          initializer=lower_priority, initargs=(self.io.nice,))
         self._write_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="outcore-writer", daemon=True)
         self._writer.start()
@@ -496,6 +498,7 @@ class TieredStore:
 
     def _write_loop(self) -> None:
         """The writer thread: issues write-backs in order; see [Note: no I/O under the lock]."""
+        lower_priority(self.io.nice)
         while (job := self._write_queue.get()) is not None:
             rec, move, tier, buf, staging = job
             if staging is not None:

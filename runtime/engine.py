@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from offload import Tier, TieredStore
+from offload.background import lower_priority
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatter
 from runtime.config import Config
@@ -90,7 +91,8 @@ class Engine:
         # update prefetches the optimizer states of the unit expected after it.
         self._update_order: list[int] = []
         self._next_update: dict[int, int] = {}
-        self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
+        self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim", initializer=lower_priority,
+                                                  initargs=(config.io.nice,))
         self._opt_seconds = 0.0  # time spent in optimizer updates (either path)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._state_dict_keys = list(model.state_dict(keep_vars=True).keys())

@@ -1,11 +1,14 @@
 import errno
 import logging
 import os
+import sys
+import threading
 
 import numpy as np
 import pytest
+import torch
 
-from offload import io_engine
+from offload import Tier, io_engine
 from offload.backends import make_engine
 from offload.buffers import HostBuffer
 from offload.checksum import CHECKSUM_NAME, block_checksum
@@ -108,3 +111,23 @@ def test_block_checksum_is_the_standard_crc():
     expected = {"crc32c": 0xE3069283, "crc32": 0xCBF43926}[CHECKSUM_NAME]
     assert block_checksum(b"123456789") == expected
     assert CHECKSUM_NAME == "crc32c", "the crc32c package (a dependency) should give hardware CRC-32C here"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("backend", ["threads", "aiofiles"])
+def test_background_threads_run_below_the_callers_priority(make_store, backend):
+    store = make_store(io=IOConfig(block_size=8 << 10, threads=2, backend=backend, nice=7))
+    store.put("k", torch.arange(50_000, dtype=torch.float32), Tier.NVME).wait()
+    assert torch.equal(store.fetch("k", Tier.DEVICE).result(), torch.arange(50_000, dtype=torch.float32))
+    mine = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    workers = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()
+               if t.name.startswith("outcore-") and t.native_id is not None}
+    # I/O workers (those the aiofiles loop starts too), the writer and the movers yield to compute
+    assert any(n.startswith(("outcore-io", "outcore-aio")) for n in workers), workers
+    assert {"outcore-writer"} <= set(workers) and any(n.startswith("outcore-move") for n in workers), workers
+    assert set(workers.values()) == {min(19, mine + 7)}, workers
+
+
+def test_nice_outside_0_to_19_is_refused():
+    with pytest.raises(ValueError, match="io.nice=20"):
+        IOConfig(nice=20)
