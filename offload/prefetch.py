@@ -29,18 +29,27 @@ class PrefetchQueue:
              landed: Callable[[int], None]) -> None:
         """Start queued requests while in-flight bytes stay under the limit (one always may start).
 
-        Requests for keys that are gone, busy, already there or in use elsewhere are dropped.
+        Requests for keys that are gone, busy, already there or in use elsewhere are dropped, except
+        a key still on its way up to a lower tier (NVMe -> HOST, asked for on DEVICE): that request
+        waits, without holding up the ones behind it, and starts once the first move has landed.
         """
-        while self._queue:
-            key, tier = self._queue[0]
-            rec = records.get(key)
-            if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
+        waiting: list[tuple[str, Tier]] = []
+        try:
+            while self._queue:
+                key, tier = self._queue[0]
+                rec = records.get(key)
+                if rec is not None and rec.move is not None and rec.move.target < tier and not rec.pins:
+                    waiting.append(self._queue.popleft())
+                    continue
+                if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
+                    self._queue.popleft()
+                    continue
+                if self.inflight and self.inflight + rec.nbytes > self.limit:
+                    return
                 self._queue.popleft()
-                continue
-            if self.inflight and self.inflight + rec.nbytes > self.limit:
-                return
-            self._queue.popleft()
-            future = start(rec, tier)
-            if not future.done():  # a zero-copy hand-over lands at once and holds nothing in flight
-                self.inflight += rec.nbytes
-                future.add_done_callback(lambda _, n=rec.nbytes: landed(n))
+                future = start(rec, tier)
+                if not future.done():  # a zero-copy hand-over lands at once and holds nothing in flight
+                    self.inflight += rec.nbytes
+                    future.add_done_callback(lambda _, n=rec.nbytes: landed(n))
+        finally:
+            self._queue.extendleft(reversed(waiting))

@@ -38,7 +38,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.memory_plan import MemoryPlan, plan_memory
+from runtime.memory_plan import MemoryPlan, device_ahead, plan_memory
 from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
@@ -80,6 +80,7 @@ class Engine:
         self.place = placement(config)
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
+        self.device_ahead = device_ahead(config.prefetch_depth)  # the rest of the window waits in HOST
         self.phase = Phase.IDLE
         self.global_step = 0
         self._micro = 0  # micro-steps since the last update
@@ -284,11 +285,15 @@ class Engine:
         self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
 
     def _prefetch(self, unit_indices: list[int]) -> None:
-        """Start bringing the parameter shards of the units expected next onto the device."""
+        """Start bringing the parameter shards of the units expected next (`prefetch_depth` of them)
+        closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST, so the
+        disk reads far ahead while the device budget holds only what runs soon (DESIGN.md)."""
         keys = [self.units[i].param_key for i in unit_indices
                 if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
-            self.store.prefetch(keys, Tier.DEVICE)
+            self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
+            if self.place.param_tier == Tier.NVME:
+                self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
 
     def _reset_accumulation(self) -> None:
         for u in self.units:  # gradients are spent (or abandoned): never write them back anywhere

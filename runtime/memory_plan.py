@@ -4,7 +4,8 @@ budgets with, and what `outcore estimate` prints, so the two can never disagree.
 Three kinds of bytes:
 - states: model states at rest where the config puts them (parameter shards in the compute dtype,
   fp32 [master|m|v] per chunk);
-- runtime: what the store holds while a step runs: the prefetch window of parameter shards,
+- runtime: what the store holds while a step runs: the prefetch window of parameter shards (its
+  nearer half on DEVICE, the rest in HOST),
   fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
   and updated parameter shards kept in HOST on their way to NVMe;
 - gathered: whole-unit parameter buffers outside the store (the units being computed under
@@ -47,6 +48,12 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {tier: {"states": b.states, "runtime": b.runtime, "gathered": b.gathered, "total": b.total}
                 for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}
+
+
+def device_ahead(prefetch_depth: int) -> int:
+    """Units of the prefetch window brought all the way to DEVICE: the nearer half (at least one).
+    The rest of the window is read from NVMe into HOST and moves up one unit at a time."""
+    return max(1, (prefetch_depth + 1) // 2)
 
 
 def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
@@ -96,10 +103,10 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         dev_min = param_all
     elif borrowing:  # the gathered units are the stored shards, pinned; the prefetch window beside them
         dev_min = held
-        dev["runtime"] += held + depth * (largest_unit + PAGE)
+        dev["runtime"] += held + device_ahead(depth) * (largest_unit + PAGE)
     else:  # the prefetch window of whole units' shards
         dev_min = 2 * (largest_unit + PAGE)
-        dev["runtime"] += max((depth + 1) * (largest_unit + PAGE), dev_min)
+        dev["runtime"] += max((device_ahead(depth) + 1) * (largest_unit + PAGE), dev_min)
     host_min = param_all if params_on == "cpu" else 0
     if params_on == "nvme":
         # Updated shards go to HOST and reach NVMe only when evicted: with room, HOST caches them all.

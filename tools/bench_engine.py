@@ -3,6 +3,7 @@
     python -m tools.bench_engine optimizer [--params 100M] [--repeats 5]
     python -m tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 4] [--rounds 1]
                                       [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip]
+                                      [--budget 256M] [--host-budget SIZE] [--checkpoint]
 
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
 no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe). Ratios are
@@ -70,7 +71,8 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
 
 
 def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
-             dtype: str = "fp32", checksum: bool = True) -> dict:
+             dtype: str = "fp32", checksum: bool = True, host_budget: int | None = None,
+             checkpoint: bool = False) -> dict:
     """Median seconds of a training step of the preset GPT, plain or through the engine."""
     import runtime
     from tools.gpt import GPT, PRESETS
@@ -82,7 +84,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
     times, io = [], None
     usage = []  # (user s, system s, minor faults) of the whole process after each step
     if kind == "plain":
-        model = GPT(cfg)
+        model = GPT(cfg, checkpoint_activations=checkpoint)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         for tokens in data:
             t0 = time.perf_counter()
@@ -96,15 +98,17 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
         clip = 1.0 if kind == "nvme-clip" else None
         offload = "none" if kind == "ram" else "nvme"
         with runtime.deferred_init():
-            model = GPT(cfg)
+            model = GPT(cfg, checkpoint_activations=checkpoint)
         from tools.gpt import init_fn
 
         with tempfile.TemporaryDirectory(dir=nvme_root) as d:
-            # DEVICE and HOST budgets of `budget` bytes each: the store pages the rest through NVMe.
+            # DEVICE and HOST budgets of `budget` bytes (HOST: `host_budget` if given): the store pages
+            # the rest through NVMe.
             conf = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload, nvme_dir=d,
                                   grad_clip=clip, prefetch_depth=2, dtype=dtype,
                                   device_budget=budget if offload == "nvme" else None,
-                                  host_budget=budget if offload == "nvme" else None, sub_group_size=1 << 21,
+                                  host_budget=(host_budget or budget) if offload == "nvme" else None,
+                                  sub_group_size=1 << 21,
                                   io={"block_size": 8 << 20, "threads": 4, "checksum": checksum})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
@@ -163,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rounds", type=int, default=1)
     s.add_argument("--dir", default=".", help="where the NVMe swap files go")
     s.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
+    s.add_argument("--host-budget", type=parse_size, help="HOST budget, if not --budget")
+    s.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (every kind)")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--kinds", default="plain,nvme-noclip,nvme-clip", help="what to run; ratios are to the first")
     s.add_argument("--no-checksum", action="store_true", help="NVMe runs skip crc32 (IOConfig(checksum=False))")
@@ -199,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
                                                    "batch": args.batch, "steps": args.steps,
                                                    "nvme_root": os.path.abspath(args.dir),
-                                                   "budget": args.budget, "dtype": args.dtype,
+                                                   "budget": args.budget, "host_budget": args.host_budget,
+                                                   "checkpoint": args.checkpoint, "dtype": args.dtype,
                                                    "checksum": not args.no_checksum})]))
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
-        print(f"{args.preset}, batch {args.batch}, {args.dtype}, NVMe-run budgets {human_bytes(args.budget)}; "
+        budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
+        ckpt = ", activation checkpointing" if args.checkpoint else ""
+        print(f"{args.preset}, batch {args.batch}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "
               f"median step of {args.steps} after a warm-up step, ratios to {kinds[0]}:")
         for kind in kinds:
             rs = [r for r in results if r["kind"] == kind]

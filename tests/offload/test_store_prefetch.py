@@ -76,3 +76,20 @@ def test_prefetch_without_room_is_dropped_not_an_error(make_store):
     assert store.fetch("c", Tier.HOST).result()[0] == 99
     store.release("b")
     store.release("c")
+
+
+def test_a_device_prefetch_waits_for_the_host_prefetch_of_the_same_key(make_store):
+    # The engine's two-level prefetch: a unit is read into HOST early and asked onto DEVICE when it
+    # comes near; the second request must not be lost while the first read is still in flight.
+    store = make_store()
+    t = torch.randn(2_000_000)
+    store.put("big", t, Tier.NVME).wait()
+    store.put("small", torch.ones(1000), Tier.NVME).wait()
+    store.prefetch(["big"], Tier.HOST)
+    store.prefetch(["big", "small"], Tier.DEVICE)  # "big" is still on its way up: wait, don't block "small"
+    wait_until(lambda: store.stats()["device"]["resident"] == 8_000_000 + 4000)
+    assert torch.equal(store.fetch("big", Tier.DEVICE).result(), t)
+    s = store.stats()
+    assert s["bytes_read"] <= 8_003_584 + 4096, "read once, then moved up"
+    assert s["misses"] == 0 and s["prefetch_issued"] == 3
+    store.release("big")

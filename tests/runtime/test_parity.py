@@ -9,6 +9,7 @@ from helpers import HP, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
 
 import runtime
+from offload import Tier
 
 OFFLOADS = ["none", "cpu", "nvme"]
 
@@ -194,4 +195,32 @@ def test_one_rank_gathers_a_unit_by_borrowing_its_stored_shard(tmp_path):
     assert seen == [(True, 0)] * 6
     assert engine.stats()["gathered"]["peak"] == 0 and not unit.borrowed
     assert_losses_match(ours, train_plain(ref_model, data))
+    engine.close()
+
+
+def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to_the_device(tmp_path):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         prefetch_depth=4)
+    ours_model, ref_model = twins(lambda: TinyGPT(layers=6))
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    asked = []  # (tier, unit indices) of every prefetch the engine asks the real store for
+    real = engine.store.prefetch
+
+    def spy(keys, tier=Tier.DEVICE):
+        keys = list(keys)  # (the optimizer's own prefetches of its states are not the window's)
+        asked.append((tier, [int(k.split(".")[0][1:]) for k in keys if k.endswith(".param")]))
+        real(keys, tier)
+
+    engine.store.prefetch = spy
+    data = batches(4)
+    ours, _ = train_engine(ours_model, cfg, data, engine=engine)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=1.0))
+    device = [units for tier, units in asked if tier == Tier.DEVICE and units]
+    host = [units for tier, units in asked if tier == Tier.HOST and units]
+    assert engine.device_ahead == 2 and device and host
+    assert max(len(u) for u in device) == 2 and max(len(u) for u in host) == 2
+    # What reached HOST early is what DEVICE asks for one unit later: the window moves up a level.
+    firsts = {u[0] for u in host}
+    assert firsts <= {u[-1] for u in device}
+    assert engine.stats()["prefetch_hit_rate"] > 0.5
     engine.close()
