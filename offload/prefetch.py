@@ -30,15 +30,16 @@ class PrefetchQueue:
         """Start queued requests while in-flight bytes stay under the limit (one always may start).
 
         Requests for keys that are gone, busy, already there or in use elsewhere are dropped, except
-        a key still on its way up to a lower tier (NVMe -> HOST, asked for on DEVICE): that request
-        waits, without holding up the ones behind it, and starts once the first move has landed.
+        a key still on its way into HOST that is asked for on DEVICE (the engine's two-level window
+        on a GPU): that request waits, without holding up the ones behind it, and starts once the
+        first move has landed.
         """
         waiting: list[tuple[str, Tier]] = []
         try:
             while self._queue:
                 key, tier = self._queue[0]
                 rec = records.get(key)
-                if rec is not None and rec.move is not None and rec.move.target < tier and not rec.pins:
+                if rec is not None and rec.move is not None and rec.move.target == Tier.HOST and tier == Tier.DEVICE:
                     waiting.append(self._queue.popleft())
                     continue
                 if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:

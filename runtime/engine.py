@@ -38,7 +38,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.memory_plan import MemoryPlan, device_ahead, plan_memory
+from runtime.memory_plan import MemoryPlan, device_window, plan_memory
 from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
@@ -80,7 +80,8 @@ class Engine:
         self.place = placement(config)
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
-        self.device_ahead = device_ahead(config.prefetch_depth)  # the rest of the window waits in HOST
+        # Units of the prefetch window asked onto DEVICE; on a GPU the rest waits in HOST.
+        self.device_ahead = device_window(config.prefetch_depth, self.device.type)
         self.phase = Phase.IDLE
         self.global_step = 0
         self._micro = 0  # micro-steps since the last update
@@ -286,8 +287,8 @@ class Engine:
 
     def _prefetch(self, unit_indices: list[int]) -> None:
         """Start bringing the parameter shards of the units expected next (`prefetch_depth` of them)
-        closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST, so the
-        disk reads far ahead while the device budget holds only what runs soon (DESIGN.md)."""
+        closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST
+        (`runtime.memory_plan.device_window`; DESIGN.md's two levels)."""
         keys = [self.units[i].param_key for i in unit_indices
                 if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
@@ -407,7 +408,7 @@ class Engine:
                            world=self.group.world, stage=c.stage, offload_params=c.offload_params,
                            offload_optimizer=c.offload_optimizer, prefetch_depth=c.prefetch_depth,
                            sub_group_size=c.sub_group_size, fp32=self.dtype == torch.float32,
-                           overlapped=self._overlapped())
+                           overlapped=self._overlapped(), device_type=self.device.type)
 
     def _budgets(self, layouts: list[Layout]) -> tuple[int, int]:
         """Budgets from the config, or derived from the memory plan and the machine; checked against

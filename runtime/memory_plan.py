@@ -4,8 +4,8 @@ budgets with, and what `outcore estimate` prints, so the two can never disagree.
 Three kinds of bytes:
 - states: model states at rest where the config puts them (parameter shards in the compute dtype,
   fp32 [master|m|v] per chunk);
-- runtime: what the store holds while a step runs: the prefetch window of parameter shards (its
-  nearer half on DEVICE, the rest in HOST),
+- runtime: what the store holds while a step runs: the prefetch window of parameter shards (on a
+  GPU its nearer half on DEVICE, the rest in HOST; see `device_window`),
   fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
   and updated parameter shards kept in HOST on their way to NVMe;
 - gathered: whole-unit parameter buffers outside the store (the units being computed under
@@ -50,10 +50,17 @@ class MemoryPlan:
                 for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}
 
 
-def device_ahead(prefetch_depth: int) -> int:
-    """Units of the prefetch window brought all the way to DEVICE: the nearer half (at least one).
-    The rest of the window is read from NVMe into HOST and moves up one unit at a time."""
-    return max(1, (prefetch_depth + 1) // 2)
+def device_window(prefetch_depth: int, device_type: str) -> int:
+    """Units of the prefetch window asked all the way onto DEVICE.
+
+    On a GPU the nearer half (at least one): the rest is read from NVMe into HOST and copied up as
+    it comes near, so the disk reads far ahead while GPU memory holds only what runs soon. On a CPU
+    DEVICE and HOST are the same RAM and a shard changes tier without a copy, so a second level
+    saves no memory; measured on gpt-350m it cost 3-5 s of CPU per step. There the whole window
+    goes to DEVICE.
+    """
+    depth = max(0, prefetch_depth)
+    return depth if device_type == "cpu" else max(1, (depth + 1) // 2)
 
 
 def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
@@ -64,11 +71,13 @@ def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
 
 def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, stage: int,
                 offload_params: str, offload_optimizer: str, prefetch_depth: int, sub_group_size: int,
-                fp32: bool, overlapped: bool) -> MemoryPlan:
+                fp32: bool, overlapped: bool, device_type: str = "cpu") -> MemoryPlan:
     """Per-rank bytes of every tier. `shards`/`padded`: elements of each unit's shard / whole buffer.
     `overlapped`: each unit is updated (and its gradient dropped) as soon as its gradient is final,
-    so gradients of about one unit are alive at once instead of all of them until the step."""
+    so gradients of about one unit are alive at once instead of all of them until the step.
+    `device_type`: "cpu" or "cuda", which decides how much of the prefetch window is on DEVICE."""
     depth = max(1, prefetch_depth)
+    near = device_window(depth, device_type)
     params_on, opt_on = offload_params, offload_optimizer
     work_on_device = opt_on == "none"
     resident = stage < 3 or (world == 1 and params_on == "none")
@@ -103,10 +112,10 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         dev_min = param_all
     elif borrowing:  # the gathered units are the stored shards, pinned; the prefetch window beside them
         dev_min = held
-        dev["runtime"] += held + device_ahead(depth) * (largest_unit + PAGE)
+        dev["runtime"] += held + near * (largest_unit + PAGE)
     else:  # the prefetch window of whole units' shards
         dev_min = 2 * (largest_unit + PAGE)
-        dev["runtime"] += max((device_ahead(depth) + 1) * (largest_unit + PAGE), dev_min)
+        dev["runtime"] += max((near + 1) * (largest_unit + PAGE), dev_min)
     host_min = param_all if params_on == "cpu" else 0
     if params_on == "nvme":
         # Updated shards go to HOST and reach NVMe only when evicted: with room, HOST caches them all.

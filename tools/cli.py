@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offload-params", choices=OFFLOADS)
     e.add_argument("--offload-optimizer", choices=OFFLOADS)
     e.add_argument("--prefetch-depth", type=int, default=2)
+    e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where compute runs; cpu: DEVICE is RAM too, and the whole prefetch window is on it")
     e.add_argument("--sub-group-size", type=parse_count, default=1 << 22, help="elements per optimizer chunk")
     e.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (gradients then stream)")
     e.add_argument("--json", metavar="PATH")
@@ -206,7 +208,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if not settings:
         raise UsageError("no legal setting matches: parameter offload needs --stage 3.")
     rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, prefetch_depth=args.prefetch_depth,
-                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None)
+                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None, device=args.device)
     print(f"{what}, {args.dtype}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
     table(["stage", "params", "optimizer", "device", "host", "nvme", "min device", "min host"],
           [[r["stage"], r["offload_params"], r["offload_optimizer"], human_bytes(r["device"]["total"]),

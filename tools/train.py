@@ -86,7 +86,7 @@ def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | 
         if params != "none" and stage < 3:
             continue
         plan = estimate(units, dtype=dtype, stage=stage, offload_params=params, offload_optimizer=opt,
-                        prefetch_depth=prefetch_depth, grad_clip=grad_clip)
+                        prefetch_depth=prefetch_depth, grad_clip=grad_clip, device="cuda" if cuda else "cpu")
         ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
         fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
         if fits_device and ram <= avail // 2:

@@ -10,6 +10,7 @@ from models import TinyGPT, batches
 
 import runtime
 from offload import Tier
+from runtime.memory_plan import device_window
 
 OFFLOADS = ["none", "cpu", "nvme"]
 
@@ -203,6 +204,8 @@ def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to
                          prefetch_depth=4)
     ours_model, ref_model = twins(lambda: TinyGPT(layers=6))
     engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    assert engine.device_ahead == 4  # on a CPU, DEVICE is RAM too: the whole window goes there
+    engine.device_ahead = device_window(4, "cuda")  # the GPU's two levels, run through the real store
     asked = []  # (tier, unit indices) of every prefetch the engine asks the real store for
     real = engine.store.prefetch
 

@@ -42,7 +42,7 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
         s = engine.stats()
     finally:
         engine.close()
-    plan = estimate(unit_numels(source), world=1, dtype="fp32", stage=stage, offload_params=params,
+    plan = estimate(unit_numels(source), world=1, dtype="fp32", device="cpu", stage=stage, offload_params=params,
                     offload_optimizer=opt, grad_clip=clip)
     device = s["device"]["peak"] + s["gathered"]["peak"]
     assert _within(device, plan.device.total), (device, plan.device)
