@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--block-size", type=_sizes, help="values to try (default 1M,8M)")
     u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
     u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
+    u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
     u.add_argument("--max-rss", type=parse_size, help="reject candidates whose peak RSS is above this")
     u.add_argument("--timeout", type=float, default=1800, help="seconds per candidate (default 1800)")
     u.add_argument("--json", metavar="PATH")
@@ -251,7 +252,8 @@ def _tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     sweep = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("block_size", args.block_size),
-                               ("queue_depth", args.queue_depth), ("threads", args.threads)) if v}
+                               ("queue_depth", args.queue_depth), ("threads", args.threads),
+                               ("nice", args.nice)) if v}
 
     def show(c) -> None:
         r = c.result
@@ -268,12 +270,12 @@ def _tune(args: argparse.Namespace) -> int:
     for c in sorted(tried, key=lambda c: c.result.get("step_seconds", float("inf"))):
         r, io = c.result, c.config.io
         mark = "*" if c.config is best else " "
-        rows.append([c.config.prefetch_depth, human_bytes(io.block_size), io.queue_depth, io.threads,
+        rows.append([c.config.prefetch_depth, human_bytes(io.block_size), io.queue_depth, io.threads, io.nice,
                      human_bytes(c.config.host_budget) if c.config.host_budget else "auto",
                      f"{r['step_seconds']:.3f}{mark}" if c.ok else "failed",
                      f"{r['io_wait_seconds']:.3f}" if c.ok else "-",
                      human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
-    table(["prefetch", "block", "qd", "threads", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
+    table(["prefetch", "block", "qd", "threads", "nice", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
     best.to_file(args.out)
     print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
     write_json(args.json, {"best": best.to_dict(), "candidates": [

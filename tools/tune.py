@@ -3,7 +3,9 @@
 Each candidate runs the real model for a few steps in a fresh process (so its peak RSS is its
 own and no page cache or allocator state carries over). The sweep is coordinate descent: one knob
 at a time, keeping the best value before moving on — prefetch_depth, then block_size x
-queue_depth, then threads, then the host budget (the I/O knobs only when something rests on NVMe).
+queue_depth, then threads, then the background threads' priority (`io.nice`), then the host budget
+(the I/O knobs only when something rests on NVMe). Priority is a trade: yielding to compute wins
+when compute is the bottleneck, and loses when the optimizer's stream through NVMe is.
 Budgets never go above the ones the config allows. The winner is written with `Config.to_file`.
 
 Models: a GPT preset, or `module:factory` whose model takes a (batch, seq) tensor of token ids
@@ -29,7 +31,7 @@ import runtime
 from tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
-                 "threads": [2, 4, 8], "host_budget_fraction": [0.25, 0.5, 1.0]}
+                 "threads": [2, 4, 8], "nice": [0, 15], "host_budget_fraction": [0.25, 0.5, 1.0]}
 
 
 @dataclass
@@ -113,6 +115,8 @@ def _variants(best: runtime.Config, knob: str, values: list,
             label = f"block_size={human_bytes(bs)} queue_depth={qd}"
         elif knob == "threads":
             cfg, label = dataclasses.replace(best, io=dataclasses.replace(best.io, threads=v)), f"threads={v}"
+        elif knob == "nice":
+            cfg, label = dataclasses.replace(best, io=dataclasses.replace(best.io, nice=v)), f"nice={v}"
         else:  # host budget, as a fraction of what the config allows
             budget = int(host_limit * v) // 4096 * 4096
             cfg, label = dataclasses.replace(best, host_budget=budget), f"host_budget={human_bytes(budget)}"
@@ -146,7 +150,7 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
     phases = [("prefetch_depth", sweep["prefetch_depth"])]
     if uses_nvme:
         phases += [("io", [(b, q) for b in sweep["block_size"] for q in sweep["queue_depth"]]),
-                   ("threads", sweep["threads"])]
+                   ("threads", sweep["threads"]), ("nice", sweep["nice"])]
         if base.host_budget:  # shrink the host budget only below what the config allows
             phases.append(("host", sweep["host_budget_fraction"]))
     for knob, values in phases:

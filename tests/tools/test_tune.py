@@ -16,14 +16,16 @@ def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeyp
     base.to_file(tmp_path / "base.json")
     argv = ["tune", "--config", "base.json", "--model", "tiny", "--steps", "1", "--batch", "2", "--seq", "64",
             "--prefetch-depth", "1,2", "--block-size", "256K", "--queue-depth", "8", "--threads", "2",
-            "--out", "tuned.json", "--json", "tune.json"]
+            "--nice", "0,15", "--out", "tuned.json", "--json", "tune.json"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "tune.json").read_text())
     cands = report["candidates"]
-    # as given, prefetch 1, the I/O pair, threads, and two host budgets (the full one is the base again)
-    assert len(cands) == 6 and all("step_seconds" in c for c in cands), cands
+    # as given, prefetch 1, the I/O pair, threads, nice 0 (15 is the default), and two host budgets
+    # (the full one is the base again)
+    assert len(cands) == 7 and all("step_seconds" in c for c in cands), cands
     assert {c["config"]["prefetch_depth"] for c in cands} == {1, 2}
+    assert {c["config"]["io"]["nice"] for c in cands} == {0, 15}
     assert any(c["config"]["host_budget"] == 8 << 20 for c in cands)
     fastest = min(cands, key=lambda c: c["step_seconds"])
     assert all(c["peak_rss_bytes"] > 100 << 20 for c in cands)  # measured in a real process
