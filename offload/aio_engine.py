@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import aiofiles
 import numpy as np
 
-from offload.background import lower_priority
+from offload.background import background_pool, lower_priority
 from offload.checksum import block_checksum
 from offload.io_config import IOConfig
 from offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
@@ -27,8 +26,7 @@ class AiofilesIOEngine:
     def __init__(self, config: IOConfig) -> None:
         self.config = config
         self.counters = IOCounters()
-        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="outcore-aio",
-                                            initializer=lower_priority, initargs=(config.nice,))
+        self._executor = background_pool(config.threads, "outcore-aio", config.nice)
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._executor)
         self._thread = threading.Thread(target=self._run_loop, name="outcore-aio-loop", daemon=True)

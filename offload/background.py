@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -40,3 +41,8 @@ def lower_priority(nice: int) -> None:
         if not _warned:
             _warned = True
             log.warning("could not lower background threads' priority (%s); they run at compute's priority", e)
+
+
+def background_pool(workers: int, name: str, nice: int) -> ThreadPoolExecutor:
+    """A thread pool whose threads lower their priority by `nice` as they start."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,))

@@ -20,12 +20,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from offload.backends import make_engine
-from offload.background import lower_priority
+from offload.background import background_pool, lower_priority
 from offload.buffer_pool import HostBufferPool
 from offload.buffers import Buffer, HostBuffer
 from offload.device_memory import CudaMemory
@@ -90,8 +90,7 @@ class TieredStore:
             raise
         self._records: dict[str, KeyRecord] = {}
         self._cond = threading.Condition(threading.RLock())
-        self._movers = ThreadPoolExecutor(max(4, self.io.threads), thread_name_prefix="outcore-move",
-                                          initializer=lower_priority, initargs=(self.io.nice,))
+        self._movers = background_pool(max(4, self.io.threads), "outcore-move", self.io.nice)
         self._write_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="outcore-writer", daemon=True)
         self._writer.start()

@@ -22,14 +22,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import psutil
 import torch
 from torch import nn
 
 from offload import Tier, TieredStore
-from offload.background import lower_priority
+from offload.background import background_pool
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatter
 from runtime.config import Config
@@ -93,8 +93,7 @@ class Engine:
         # update prefetches the optimizer states of the unit expected after it.
         self._update_order: list[int] = []
         self._next_update: dict[int, int] = {}
-        self._optimizer_thread = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim", initializer=lower_priority,
-                                                  initargs=(config.io.nice,))
+        self._optimizer_thread = background_pool(1, "outcore-optim", config.io.nice)
         self._opt_seconds = 0.0  # time spent in optimizer updates (either path)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._state_dict_keys = list(model.state_dict(keep_vars=True).keys())
@@ -293,7 +292,7 @@ class Engine:
                 if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
             self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
-            if self.place.param_tier == Tier.NVME:
+            if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
                 self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
 
     def _reset_accumulation(self) -> None:

@@ -71,7 +71,7 @@ def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
 
 def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, stage: int,
                 offload_params: str, offload_optimizer: str, prefetch_depth: int, sub_group_size: int,
-                fp32: bool, overlapped: bool, device_type: str = "cpu") -> MemoryPlan:
+                fp32: bool, overlapped: bool, device_type: str) -> MemoryPlan:
     """Per-rank bytes of every tier. `shards`/`padded`: elements of each unit's shard / whole buffer.
     `overlapped`: each unit is updated (and its gradient dropped) as soon as its gradient is final,
     so gradients of about one unit are alive at once instead of all of them until the step.
