@@ -245,7 +245,9 @@ class Engine:
         with torch.no_grad():
             full = grad if grad.dtype == torch.float32 else grad.float()
             shard = reduce_scatter(full, self.group)
-            shard.mul_(1.0 / (world * accum * self.scaler.scale))
+            factor = 1.0 / (world * accum * self.scaler.scale)
+            if factor != 1.0:  # one rank, no accumulation, no loss scale: a pass over the gradient saved
+                shard.mul_(factor)
             first = unit.index not in self._have_grad
             self._have_grad.add(unit.index)
             last = self._micro + 1 == accum
