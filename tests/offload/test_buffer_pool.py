@@ -1,3 +1,5 @@
+import os
+import re
 import threading
 import time
 
@@ -14,6 +16,34 @@ def test_buffers_are_page_aligned_and_rounded():
     assert buf.capacity == PAGE
     assert buf.tensor.data_ptr() % PAGE == 0
     assert pool.in_use == PAGE
+
+
+def _mapping_of(address: int) -> tuple[str, list[str]]:
+    """Permissions and VmFlags of the mapping in /proc/self/smaps that holds `address`."""
+    perms, flags, inside = None, None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):
+                if inside:
+                    break
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside, perms = start <= address < end, head[1]
+            elif inside and head[0] == "VmFlags:":
+                flags = head[1:]
+    assert inside, "the buffer's mapping is not in /proc/self/smaps"
+    return perms, flags or []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only: reads /proc/self/smaps")
+def test_host_buffers_are_private_mappings_that_ask_for_huge_pages():
+    # A shared anonymous mapping is shmem: it never gets transparent huge pages on a default
+    # machine, and refilling such buffers every step cost 4 KiB page faults and zeroing.
+    buf = HostBufferPool(8 << 20).acquire(8 << 20)
+    buf.tensor.fill_(1)
+    perms, flags = _mapping_of(buf.tensor.data_ptr())
+    assert perms == "rw-p", f"host buffer mapping is {perms!r}, not private"
+    assert "hg" in flags, "MADV_HUGEPAGE was not asked for"
 
 
 def test_budget_is_never_exceeded_and_reuse_avoids_new_allocations():
