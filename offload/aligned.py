@@ -19,7 +19,6 @@ from offload.io_config import PAGE, round_up
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # from linux/mman.h
 _libc = None
-_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 def aligned_array(nbytes: int) -> np.ndarray:
@@ -30,7 +29,7 @@ def aligned_array(nbytes: int) -> np.ndarray:
     """
     # Private, not mmap's default MAP_SHARED: a shared anonymous mapping is shmem, which takes no
     # huge pages unless the machine's shmem_enabled says so (it is "never" by default).
-    m = mmap.mmap(-1, round_up(max(nbytes, 1)), flags=_PRIVATE)
+    m = mmap.mmap(-1, round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arr = np.frombuffer(m, dtype=np.uint8)  # keeps the mapping alive
     assert arr.ctypes.data % PAGE == 0
     advise_huge_pages(arr.ctypes.data, arr.nbytes)
