@@ -1,6 +1,7 @@
 """Sharded, checksummed, atomic checkpoints (SPEC.md §4).
 
-    <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per chunk (fp32)
+    <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per chunk (fp32),
+                                      whichever way the engine keeps them (runtime/optimizer.py)
     <dir>/<tag>/meta.json             config, world size, step, unit layout, crc32 of every rank file
     <dir>/latest                      the newest complete tag
 
@@ -85,12 +86,26 @@ def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
     buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in engine.model.state_dict().items()}
     writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
                                + [(k, v.dtype, tuple(v.shape)) for k, v in buffers.items()])
-    for c in chunks:
-        state = store.fetch(c.opt_key, place.work_tier).result()
+    for u in engine.units:
+        # fp32: the master is the parameter shard, and the state holds [m|v] after it.
+        lent = u.master_is_param and not u.aliased
+        shard = None
+        if u.master_is_param:
+            shard = store.fetch(u.param_key, place.work_tier).result() if lent else u.flat.detach()
         try:
-            writer.write(c.opt_key, state)
+            for c in u.chunks:
+                state = store.fetch(c.opt_key, place.work_tier).result()
+                try:
+                    if shard is None:
+                        writer.write(c.opt_key, state)
+                    else:
+                        writer.write_part(c.opt_key, shard[c.start : c.end], 0)
+                        writer.write_part(c.opt_key, state, c.numel)
+                finally:
+                    store.release(c.opt_key)
         finally:
-            store.release(c.opt_key)
+            if lent:
+                store.release(u.param_key)
     for k, v in buffers.items():
         writer.write(k, v)
     writer.close()
@@ -170,17 +185,11 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     name = f"rank{engine.group.rank}.safetensors"
     path = verify_rank_file(folder, meta, name)
     store, place = engine.store, engine.place
-    with safe_open(path, framework="pt") as f, ParamWriter(store, place) as params:
+    with safe_open(path, framework="pt") as f, ParamWriter(store, place, in_place=False) as params:
         for u in engine.units:
             for c in u.chunks:
                 state = f.get_tensor(c.opt_key)
-                if u.master_is_param:  # the state is pinned as the live parameters: refill it in place
-                    live = store.fetch(c.opt_key, place.work_tier).result()
-                    with torch.no_grad():
-                        live.copy_(state)
-                    store.release(c.opt_key, dirty=True)
-                    continue
-                store.put(c.opt_key, state, place.opt_tier)
+                store.put(c.opt_key, state[c.numel :] if u.master_is_param else state, place.opt_tier)
                 params.write(c, state[: c.numel])
             if u.resident:
                 u.refresh_resident()

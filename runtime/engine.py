@@ -8,7 +8,8 @@ forward   each unit is gathered in its pre-hook (prefetched from the recorded or
 backward  a unit is gathered again when the gradient of its output arrives; when its own flat
           gradient is complete it is reduced to this rank's fp32 shard and released;
 step      the global grad norm (clipping) and fp16 overflow are reduced across ranks, then each
-          unit's [master|m|v] streams through the work tier: read → fused AdamW → write back.
+          unit's optimizer states stream through the work tier: read → fused AdamW → write back
+          (in fp32 the parameter shard is the master and is updated in place).
           With no clipping and no fp16, each unit's update already ran during backward, on the
           optimizer thread, as soon as its gradient was final.
 """
@@ -38,7 +39,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.memory_plan import MemoryPlan, device_window, plan_memory
+from runtime.memory_plan import MemoryPlan, device_window, master_is_param, plan_memory
 from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
@@ -113,8 +114,11 @@ class Engine:
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
         # One rank whose parameters rest on DEVICE: each flat buffer *is* the stored shard (one chunk).
         self._alias = self.group.world == 1 and resident and self.place.param_tier == Tier.DEVICE
+        in_place = master_is_param(self.dtype == torch.float32, self.device.type, config.offload_params,
+                                   config.offload_optimizer)
         self.units = [FlatUnit(p, lay, self.dtype, self.device, self.group, self.store, resident=resident,
-                               chunk_elems=lay.shard if self._alias else config.sub_group_size)
+                               chunk_elems=lay.shard if self._alias else config.sub_group_size,
+                               master_is_param=in_place)
                       for p, lay in zip(plans, layouts, strict=True)]
         in_units = {m for u in self.units if u.plan.module is not model for m in u.plan.module.modules()}
         for unit in self.units:
@@ -223,6 +227,7 @@ class Engine:
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
         if self.phase is Phase.FORWARD:
+            self._wait_updates()  # a forward before step(): the parameters are being updated in place
             self._prefetch(self.trace.visit("forward", unit.index))
         unit.unshard()
         self._note_gathered()
@@ -346,10 +351,17 @@ class Engine:
             for i, chunk in enumerate(order):
                 if streaming:
                     ahead = order[i + 1 : i + 1 + depth]
-                    keys = [k for c in ahead for k in (c.opt_key, c.grad_key)]
+                    keys = [k for c in ahead for k in (*self._master_keys(c), c.opt_key, c.grad_key)]
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
+
+    @staticmethod
+    def _master_keys(chunk) -> tuple[str, ...]:
+        """The store key a chunk's update needs besides its own: its unit's parameter shard, when
+        that is the master (asked for once, with the unit's first chunk)."""
+        unit = chunk.unit
+        return (unit.param_key,) if chunk.index == 0 and unit.master_is_param and not unit.aliased else ()
 
     def _wait_updates(self) -> None:
         for f in self._pending_updates:
@@ -376,11 +388,10 @@ class Engine:
             module, name = slot.places[0]
             flat32[off : off + slot.numel].copy_(module._parameters[name].detach().reshape(-1))
         master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
-        master_is_param = self._alias and self.dtype == torch.float32 and self.place.opt_tier == Tier.DEVICE
         for c in unit.chunks:
-            self.store.put(c.opt_key, initial_state(master[c.start : c.end]), self.place.opt_tier)
-        if not master_is_param:
-            self.store.put(unit.param_key, master, self.place.param_tier, dtype=self.dtype)
+            state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
+            self.store.put(c.opt_key, state, self.place.opt_tier)
+        self.store.put(unit.param_key, master, self.place.param_tier, dtype=self.dtype)
         del flat32, master
         for slot in unit.plan.slots:
             for module, name in slot.places:
@@ -388,7 +399,7 @@ class Engine:
             slot.param = None
         if unit.resident:
             if self._alias:
-                unit.alias_shard(master=master_is_param)
+                unit.alias_shard()
             else:
                 unit.unshard()
             unit.bind_views()

@@ -67,7 +67,7 @@ def padded_numel(numel: int, world: int, elem_size: int) -> int:
 @dataclass(frozen=True, slots=True, eq=False)
 class Chunk:
     """Elements [start, end) of a unit's shard: the grain of optimizer streaming (DeepSpeed's
-    sub-group). Each chunk has its own [master|m|v] and gradient keys, so the HOST memory the
+    sub-group). Each chunk has its own optimizer-state and gradient keys, so the HOST memory the
     optimizer pipeline needs is bounded by the chunk size, not by the largest unit. The parameter
     shard is one key per unit (`FlatUnit.param_key`), which one rank borrows whole."""
 
@@ -93,7 +93,8 @@ class FlatUnit:
     """A unit's flat parameters and the store keys of its shard's chunks."""
 
     def __init__(self, plan: UnitPlan, layout: Layout, dtype: torch.dtype, device: torch.device,
-                 group: Group, store: TieredStore, *, resident: bool, chunk_elems: int) -> None:
+                 group: Group, store: TieredStore, *, resident: bool, chunk_elems: int,
+                 master_is_param: bool) -> None:
         self.plan = plan
         self.index = plan.index
         self.layout = layout
@@ -112,7 +113,8 @@ class FlatUnit:
         self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
-        self.master_is_param = False
+        # fp32: the parameter shard is the master weights, and chunk states are [m|v] (runtime/optimizer.py).
+        self.master_is_param = master_is_param
         self.wait_seconds = 0.0  # time spent waiting for the store
         self.opt_steps = 0  # optimizer updates this unit has taken (AdamW bias correction)
 
@@ -125,20 +127,13 @@ class FlatUnit:
     def name(self) -> str:
         return self.plan.name or "<root>"
 
-    def alias_shard(self, *, master: bool) -> None:
+    def alias_shard(self) -> None:
         """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good).
-
-        `master`: fp32 with optimizer states on DEVICE too — the flat buffer is the master slice of
-        [master|m|v] itself, so the fused update writes the live parameters and nothing is copied.
-        """
+        With `master_is_param` the fused update then writes the live parameters, nothing copied."""
         assert self.group.world == 1 and self.resident and len(self.chunks) == 1
-        if master:
-            shard = self.store.fetch(self.chunks[0].opt_key, Tier.DEVICE).result()[: self.layout.shard]
-        else:
-            shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
         self.flat = shard.detach().requires_grad_()
         self._aliased = True
-        self.master_is_param = master
         self.state = UnitState.UNSHARDED
 
     def unshard(self) -> None:

@@ -3,7 +3,8 @@ budgets with, and what `outcore estimate` prints, so the two can never disagree.
 
 Three kinds of bytes:
 - states: model states at rest where the config puts them (parameter shards in the compute dtype,
-  fp32 [master|m|v] per chunk);
+  fp32 optimizer states per chunk: [m|v] when the fp32 parameter shard is the master itself,
+  [master|m|v] otherwise; see `master_is_param`);
 - runtime: what the store holds while a step runs: the prefetch window of parameter shards (on a
   GPU its nearer half on DEVICE, the rest in HOST; see `device_window`),
   fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
@@ -63,6 +64,18 @@ def device_window(prefetch_depth: int, device_type: str) -> int:
     return depth if device_type == "cpu" else max(1, (depth + 1) // 2)
 
 
+def master_is_param(fp32: bool, device_type: str, offload_params: str, offload_optimizer: str) -> bool:
+    """Whether a unit's fp32 parameter shard is its master weights, updated in place.
+
+    In fp32 the master would repeat the parameters byte for byte: one copy fewer to store, read,
+    write and refresh after each update. The update fetches the parameter shard to where it runs,
+    so the exception is a GPU whose parameters rest on it while the update runs in HOST: there a
+    separate master in HOST keeps the parameters on the device.
+    """
+    on_gpu_apart = device_type == "cuda" and offload_params == "none" and offload_optimizer != "none"
+    return fp32 and not on_gpu_apart
+
+
 def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
     """Elements of each optimizer chunk of one unit's shard (the engine's split)."""
     step = shard if aliased else max(1, min(sub_group_size, shard))
@@ -82,18 +95,21 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
     work_on_device = opt_on == "none"
     resident = stage < 3 or (world == 1 and params_on == "none")
     aliased = world == 1 and resident and params_on == "none"
-    master_is_param = aliased and fp32 and opt_on == "none"
+    in_place = master_is_param(fp32, device_type, params_on, opt_on)
+    state_elem = 8 if in_place else 12  # [m|v] or [master|m|v], fp32
     chunks = [unit_chunks(s, sub_group_size, aliased) for s in shards]
     flat = [c for cs in chunks for c in cs]
     chunk = max(flat)
 
-    param_all = 0 if master_is_param else sum(_pages(s * elem) for s in shards)  # one key per unit
-    state_all = sum(_pages(c * 12) for c in flat)
+    param_all = sum(_pages(s * elem) for s in shards)  # one key per unit
+    state_all = sum(_pages(c * state_elem) for c in flat)
     grad_all = sum(_pages(c * 4) for c in flat)
     if overlapped:
         grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
     largest_unit = max(_pages(s * elem) for s in shards)
-    replacing = 0 if master_is_param or aliased else largest_unit  # a unit's new parameters beside the old
+    # The update holds a unit's parameter shard in the work tier: a new one beside the old, or
+    # (in place) the one it fetched. Aliased shards are updated where they are.
+    replacing = 0 if aliased else largest_unit
     full = [_pages(p * elem) for p in padded]
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
     # last backward) and, in backward, the unit computing and the one whose output gradient it made.
@@ -123,14 +139,18 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         host_min += largest_unit + PAGE
     work = dev if work_on_device else host
     work["runtime"] += grad_all
-    where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
+    if in_place and params_on == "none" and not work_on_device:  # fetched down to HOST for its update
+        host["runtime"] += replacing
+        host_min += replacing + PAGE if replacing else 0
+    else:
+        where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":
         # Read ahead, update, write back. During backward each unit streams on its own, so a unit
         # of few chunks has fewer on the way.
         ahead = depth if not overlapped else min(depth, max(len(cs) for cs in chunks) - 1)
-        window = (ahead + 1) * (_pages(chunk * 12) + PAGE)
+        window = (ahead + 1) * (_pages(chunk * state_elem) + PAGE)
         host["runtime"] += window
         host_min += window
     else:

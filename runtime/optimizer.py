@@ -1,11 +1,13 @@
 """AdamW on fp32 master shards, streamed unit by unit through the store.
 
-[Note: optimizer state] Each chunk of a unit's shard keeps `[master | exp_avg | exp_avg_sq]`
-(fp32, 3 x chunk elements) under one key, so reading and writing it is one large sequential request
-each, and the pipeline holds a few chunks, never a whole large unit. The update is
-`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`: bias correction and
-decoupled weight decay exactly as torch.optim.AdamW computes them. The caller advances
-`unit.opt_steps` once all of a unit's chunks are updated.
+[Note: optimizer state] Each chunk of a unit's shard keeps its fp32 optimizer state under one key:
+`[exp_avg | exp_avg_sq]` when the unit's fp32 parameter shard is its master (fp32 training; see
+`runtime.memory_plan.master_is_param`), `[master | exp_avg | exp_avg_sq]` when the parameters are
+bf16 or fp16. Reading and writing a chunk is then one large sequential request each, and the
+pipeline holds a few chunks, never a whole large unit. The update is `torch._fused_adamw_`, the
+kernel behind `torch.optim.AdamW(fused=True)`: bias correction and decoupled weight decay exactly
+as torch.optim.AdamW computes them. The caller advances `unit.opt_steps` once all of a unit's
+chunks are updated.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ class Placement:
     work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
 
 
-def initial_state(master: torch.Tensor) -> torch.Tensor:
-    """[master | 0 | 0] for a new unit."""
-    state = torch.zeros(3 * master.numel(), dtype=torch.float32)
-    state[: master.numel()].copy_(master)
+def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
+    """A new chunk's state: [0 | 0], or [master | 0 | 0] `with_master`."""
+    n = master.numel()
+    state = torch.zeros((3 if with_master else 2) * n, dtype=torch.float32)
+    if with_master:
+        state[:n].copy_(master)
     return state
 
 
@@ -61,18 +65,28 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     Streaming from HOST or NVMe passes one chunk at a time (the store prefetches the next ones);
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
+    `params` lends the masters that are parameter shards and takes the others' new values.
     """
     states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
     grads = [store.fetch(c.grad_key, place.work_tier).result() for c in chunks]
     try:
-        masters, exp_avgs, exp_avg_sqs = zip(*(st.chunk(3) for st in states), strict=True)
+        masters, exp_avgs, exp_avg_sqs = [], [], []
+        for c, st in zip(chunks, states, strict=True):
+            if c.unit.master_is_param:
+                masters.append(params.master(c))
+                m, v = st.chunk(2)
+            else:
+                master, m, v = st.chunk(3)
+                masters.append(master)
+            exp_avgs.append(m)
+            exp_avg_sqs.append(v)
         if grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
         # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no gradient
         # in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
         steps = [torch.tensor(float(c.unit.opt_steps + 1), dtype=torch.float32, device=states[0].device)
                  for c in chunks]
-        torch._fused_adamw_(list(masters), grads, list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
+        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
                             beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
                             amsgrad=False, maximize=False)
         for c, master in zip(chunks, masters, strict=True):
@@ -89,45 +103,74 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
 
 
 class ParamWriter:
-    """Writes updated parameters, chunk by chunk, into each unit's one parameter key.
+    """A pass that changes units' parameter shards, chunk by chunk, each unit under its one key.
 
-    A unit's new shard is staged in its tier (`TieredStore.stage`) at its first chunk, filled as
-    each chunk's update finishes (converted to the compute dtype in the copy) and committed with its
-    last chunk. Used as a context manager: if the pass fails, every unit not yet whole is given up
-    and keeps its old parameters (fetches of it wait for the commit or the abort, never hang).
+    Two ways, per unit:
+    - in place (`master`): a unit whose fp32 parameter shard is its master lends it, fetched to
+      the work tier at the unit's first chunk (or the live flat buffer, when aliased), and it is
+      released, changed, with the unit's last chunk;
+    - a new shard: otherwise (and always when `in_place=False`, as loading a checkpoint wants)
+      the new shard is staged in its tier (`TieredStore.stage`) at the unit's first chunk, filled
+      as each chunk's values arrive (converted to the compute dtype in the copy) and committed with
+      its last chunk.
+    Every chunk of a unit passes through `write`, in order. Used as a context manager: if the pass
+    fails, a staged shard not yet whole is given up (the unit keeps its old parameters, and fetches
+    of it wait for the commit or the abort, never hang), and a lent one is released as it stands.
     """
 
-    def __init__(self, store: TieredStore, place: Placement) -> None:
+    def __init__(self, store: TieredStore, place: Placement, *, in_place: bool = True) -> None:
         self.store = store
         self.place = place
-        self._open: dict[int, tuple[StagedPut, int]] = {}  # unit index -> (staged put, chunks left)
+        self.in_place = in_place
+        self._staged: dict[int, tuple[StagedPut, int]] = {}  # unit index -> (staged put, chunks left)
+        self._lent: dict[str, tuple[torch.Tensor, int]] = {}  # parameter key -> (fetched shard, chunks left)
+
+    def master(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's slice of its unit's parameter shard, to update in place."""
+        unit = chunk.unit
+        assert self.in_place and unit.master_is_param
+        if unit.aliased:  # the stored shard is the live flat buffer
+            return unit.flat.detach()[chunk.start : chunk.end]
+        key = unit.param_key
+        if key not in self._lent:
+            self._lent[key] = (self.store.fetch(key, self.place.work_tier).result(), len(unit.chunks))
+        return self._lent[key][0][chunk.start : chunk.end]
 
     def write(self, chunk: Chunk, master: torch.Tensor) -> None:
+        """The chunk's new parameter values are `master` (in place: already written)."""
         unit = chunk.unit
-        if unit.master_is_param:
-            return  # the fused update already wrote the live parameters
+        if self.in_place and unit.master_is_param:
+            if not unit.aliased:
+                shard, left = self._lent.pop(unit.param_key)
+                if left > 1:
+                    self._lent[unit.param_key] = (shard, left - 1)
+                else:
+                    self.store.release(unit.param_key, dirty=True)
+            return
         if unit.aliased:  # the stored shard is the live flat buffer: update it in place
             with torch.no_grad():
                 unit.flat[chunk.start : chunk.end].copy_(master)
             return
-        if unit.index not in self._open:
+        if unit.index not in self._staged:
             # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward
             # reads them from memory, and only eviction under pressure writes them to the swap file.
             tier = Tier.HOST if self.place.param_tier == Tier.NVME else self.place.param_tier
             staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier)
-            self._open[unit.index] = (staged, len(unit.chunks))
-        staged, left = self._open[unit.index]
+            self._staged[unit.index] = (staged, len(unit.chunks))
+        staged, left = self._staged.pop(unit.index)
         staged.tensor[chunk.start : chunk.end].copy_(master)
         if left > 1:
-            self._open[unit.index] = (staged, left - 1)
+            self._staged[unit.index] = (staged, left - 1)
         else:
-            del self._open[unit.index]
             staged.commit()
 
     def __enter__(self) -> ParamWriter:
         return self
 
     def __exit__(self, kind, error, _tb) -> None:
-        for staged, _ in self._open.values():
+        for staged, _ in self._staged.values():
             staged.abort(error or RuntimeError("the update pass ended before these units were whole"))
-        self._open.clear()
+        self._staged.clear()
+        for key in self._lent:  # updated in place up to where the pass stopped, as their states were
+            self.store.release(key, dirty=True)
+        self._lent.clear()

@@ -41,25 +41,35 @@ class SafetensorsWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.ftruncate(self._fd, self._data_start + offset)
-        self._written: set[str] = set()
+        self._written: dict[str, int] = {}  # bytes written per entry
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        off, nbytes, dtype, shape = self._spans[name]
+        _, _, dtype, shape = self._spans[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{name}: expected {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+        self.write_part(name, tensor, 0)
+
+    def write_part(self, name: str, tensor: torch.Tensor, at: int) -> None:
+        """Elements [at, at + tensor.numel()) of entry `name`, in its flattened order; the parts of
+        an entry may come in any order, but each element exactly once."""
+        off, nbytes, dtype, _ = self._spans[name]
+        size = dtype.itemsize
+        if tensor.dtype != dtype or (at + tensor.numel()) * size > nbytes or at < 0:
+            raise ValueError(f"{name}: elements [{at}, {at + tensor.numel()}) of {tensor.dtype} do not fit "
+                             f"its {nbytes // size} elements of {dtype}")
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(self._fd, memoryview(data)[done:], self._data_start + off + done)
-        self._written.add(name)
+        done, start = 0, self._data_start + off + at * size
+        while done < data.nbytes:
+            done += os.pwrite(self._fd, memoryview(data)[done:], start + done)
+        self._written[name] = self._written.get(name, 0) + data.nbytes
 
     def close(self) -> None:
         """fsync and close; every entry must have been written."""
-        missing = set(self._spans) - self._written
+        missing = [k for k, span in self._spans.items() if self._written.get(k, 0) != span[1]]
         os.fsync(self._fd)
         os.close(self._fd)
         if missing:
-            raise ValueError(f"{self.path}: tensors never written: {sorted(missing)[:5]}")
+            raise ValueError(f"{self.path}: tensors not written whole: {sorted(missing)[:5]}")
 
 
 def file_crc32(path: str, chunk: int = 8 << 20) -> int:

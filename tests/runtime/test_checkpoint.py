@@ -8,7 +8,7 @@ from models import TinyGPT, batches
 from safetensors.torch import load_file
 
 import runtime
-from offload import StorageCorruptError
+from offload import StorageCorruptError, Tier
 
 
 def make(tmp_path, name, params="nvme", optim="nvme", **kw):
@@ -18,20 +18,38 @@ def make(tmp_path, name, params="nvme", optim="nvme", **kw):
     return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
 
 
-@pytest.mark.parametrize("params, optim", [("nvme", "nvme"), ("none", "none"), ("cpu", "nvme")])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim):
+@pytest.mark.parametrize("params, optim, dtype", [("nvme", "nvme", "fp32"), ("none", "none", "fp32"),
+                                                  ("cpu", "nvme", "fp32"), ("nvme", "nvme", "bf16")])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim, dtype):
     data = batches(12)
-    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a", params, optim))
+    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a", params, optim, dtype=dtype))
     e1.close()
-    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b", params, optim))
+    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b", params, optim, dtype=dtype))
     e2.save_checkpoint(str(tmp_path / "ckpt"), tag="step7")
     e2.close()
-    e3 = make(tmp_path, "c", params, optim)
+    e3 = make(tmp_path, "c", params, optim, dtype=dtype)
     meta = e3.load_checkpoint(str(tmp_path / "ckpt"))  # via `latest`
     assert meta["step"] == 7 and meta["tag"] == "step7"
     rest, _ = train_engine(None, None, data[7:], engine=e3)
     assert first + rest == whole, "resumed losses must equal the uninterrupted run's, bit for bit"
     e3.close()
+
+
+@pytest.mark.parametrize("params", ["nvme", "none"])
+def test_fp32_keeps_the_master_once_and_checkpoints_it_whole(tmp_path, params):
+    e = make(tmp_path, "a", params, "nvme")
+    train_engine(None, None, batches(3), engine=e)
+    unit = e.units[1]
+    chunk = unit.chunks[-1]
+    state = e.store.fetch(chunk.opt_key, Tier.HOST).result()
+    assert unit.master_is_param and state.numel() == 2 * chunk.numel, "the store holds [m|v]: no master copy"
+    m_v = state.clone()
+    e.store.release(chunk.opt_key)
+    trained = unit.full_values()[chunk.start : chunk.end]
+    e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    saved = load_file(str(tmp_path / "ckpt" / "t" / "rank0.safetensors"))[chunk.opt_key]
+    assert torch.equal(saved, torch.cat([trained, m_v])), "the file keeps [master|m|v], as SPEC §4 says"
+    e.close()
 
 
 def test_checkpoint_layout_is_atomic_and_checksummed(tmp_path):

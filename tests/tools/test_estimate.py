@@ -56,3 +56,14 @@ def test_legal_settings_follow_the_config_rules():
     assert legal_settings(stage=3, offload_params="nvme") == [(3, "nvme", o) for o in ("none", "cpu", "nvme")]
     for st, op, oo in all_:
         runtime.Config(stage=st, offload_params=op, offload_optimizer=oo, nvme_dir="/tmp")  # accepted
+
+
+def test_fp32_masters_are_the_parameter_shards_unless_a_gpu_keeps_its_parameters():
+    units = [1 << 20] * 4
+    per_param = {}
+    for device, dtype in (("cpu", "fp32"), ("cuda", "fp32"), ("cpu", "bf16")):
+        plan = estimate(units, dtype=dtype, device=device, offload_params="none", offload_optimizer="cpu")
+        per_param[device, dtype] = plan.host.states / sum(units)
+    # [m|v] in HOST where the update may fetch the parameters; [master|m|v] where they stay on a GPU
+    # or are not fp32.
+    assert per_param == {("cpu", "fp32"): 8, ("cuda", "fp32"): 12, ("cpu", "bf16"): 12}
