@@ -267,6 +267,15 @@ class TieredStore:
         out["prefetch_misses"] = out["misses"]
         return out
 
+    def ram_tier_of(self, key: str) -> Tier | None:
+        """On a CPU-only store, the memory tier `key` rests in now; None on NVMe, while it moves, or
+        with a GPU. HOST and DEVICE are the same RAM there, so a CPU computation may fetch the key
+        where it is instead of moving it, which would only shift budget and evict other keys. A
+        hint: the key may move before the fetch, which then brings it back, correctly."""
+        with self._cond:
+            rec = self._record(key)
+            return rec.tier if self._zero_copy and rec.tier in (Tier.HOST, Tier.DEVICE) else None
+
     def __contains__(self, key: str) -> bool:
         with self._cond:
             return key in self._records

@@ -107,9 +107,6 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
     if overlapped:
         grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
     largest_unit = max(_pages(s * elem) for s in shards)
-    # The update holds a unit's parameter shard in the work tier: a new one beside the old, or
-    # (in place) the one it fetched. Aliased shards are updated where they are.
-    replacing = 0 if aliased else largest_unit
     full = [_pages(p * elem) for p in padded]
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
     # last backward) and, in backward, the unit computing and the one whose output gradient it made.
@@ -139,11 +136,14 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         host_min += largest_unit + PAGE
     work = dev if work_on_device else host
     work["runtime"] += grad_all
-    if in_place and params_on == "none" and not work_on_device:  # fetched down to HOST for its update
-        host["runtime"] += replacing
-        host_min += replacing + PAGE if replacing else 0
-    else:
-        where["cpu" if params_on == "nvme" else params_on]["runtime"] += replacing
+    # The update holds one unit's parameter shard: aliased ones and, on a CPU, the master ones where
+    # they rest; on a GPU a master is fetched to the work tier; otherwise a new shard is staged
+    # beside the old one.
+    work_name = "none" if work_on_device else "cpu"
+    if not aliased and not in_place:
+        where["cpu" if params_on == "nvme" else params_on]["runtime"] += largest_unit
+    elif not aliased and device_type != "cpu" and params_on != work_name:
+        where[work_name]["runtime"] += largest_unit
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":

@@ -133,7 +133,8 @@ class ParamWriter:
             return unit.flat.detach()[chunk.start : chunk.end]
         key = unit.param_key
         if key not in self._lent:
-            self._lent[key] = (self.store.fetch(key, self.place.work_tier).result(), len(unit.chunks))
+            tier = self.store.ram_tier_of(key) or self.place.work_tier  # on a CPU, updated where it rests
+            self._lent[key] = (self.store.fetch(key, tier).result(), len(unit.chunks))
         return self._lent[key][0][chunk.start : chunk.end]
 
     def write(self, chunk: Chunk, master: torch.Tensor) -> None:
@@ -146,6 +147,8 @@ class ParamWriter:
                     self._lent[unit.param_key] = (shard, left - 1)
                 else:
                     self.store.release(unit.param_key, dirty=True)
+                    if self.place.param_tier == Tier.HOST:  # back where it rests (on a CPU, no copy)
+                        self.store.evict(unit.param_key, Tier.HOST)
             return
         if unit.aliased:  # the stored shard is the live flat buffer: update it in place
             with torch.no_grad():
