@@ -201,5 +201,5 @@ def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> d
     engine.global_step = int(meta["step"])
     engine.lr = float(meta["lr"])
     engine.scaler.load_state_dict(meta["loss_scale"])
-    engine._reset_accumulation()
+    engine._reset_accumulation(drop_grads=True)
     return meta

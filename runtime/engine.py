@@ -10,8 +10,10 @@ backward  a unit is gathered again when the gradient of its output arrives; when
 step      the global grad norm (clipping) and fp16 overflow are reduced across ranks, then each
           unit's optimizer states stream through the work tier: read → fused AdamW → write back
           (in fp32 the parameter shard is the master and is updated in place).
-          With no clipping and no fp16, each unit's update already ran during backward, on the
-          optimizer thread, as soon as its gradient was final.
+          With no clipping and no fp16, each unit's update already started during backward, on
+          the optimizer thread, as soon as its gradient was final. Either way `step()` does not
+          wait for the streamed updates: the next forward waits for each unit's own update
+          before gathering it, so the update stream hides behind the next forward.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Engine:
         self._have_grad: set[int] = set()
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
-        self._pending_updates: list[Future] = []
+        self._pending: dict[int, Future] = {}  # unit index -> its update on the optimizer thread
         # Units in the order their gradients were final, this step and the last: an overlapped
         # update prefetches the optimizer states of the unit expected after it.
         self._update_order: list[int] = []
@@ -173,21 +175,28 @@ class Engine:
         if self._micro < self.config.grad_accumulation:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
-        self._wait_updates()
         norm, coef, overflow = self._global_norm()
         skipped = overflow
         if not skipped:
             self.global_step += 1
             if not self._overlapped():
-                self._run_updates(coef)
-            for u in self.units:
-                if u.resident and u.index in self._have_grad:
+                self._start_updates(coef)
+            refresh = [u for u in self.units if u.resident and not u.aliased and u.index in self._have_grad]
+            if refresh:  # whole parameters kept on every rank: re-gathered here, in the same order on all
+                self._wait_updates()
+                for u in refresh:
                     u.refresh_resident()
         self.scaler.update(overflow)
         stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": skipped, "lr": self.lr,
                  "accumulating": False}
-        self._reset_accumulation()
+        self._reset_accumulation(drop_grads=skipped)  # otherwise each update drops its own
         return stats
+
+    def synchronize(self) -> None:
+        """Wait until every update `step()` started has landed. Nothing needs it for correctness
+        (a unit's next gather, checkpoints and state dicts wait for what they read); it is there
+        for timing a step whole, or for reading the store directly."""
+        self._wait_updates()
 
     def save_checkpoint(self, directory: str, tag: str) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
@@ -226,8 +235,8 @@ class Engine:
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
+        self._wait_update(unit)
         if self.phase is Phase.FORWARD:
-            self._wait_updates()  # a forward before step(): the parameters are being updated in place
             self._prefetch(self.trace.visit("forward", unit.index))
         unit.unshard()
         self._note_gathered()
@@ -238,6 +247,7 @@ class Engine:
             unit.reshard()  # ZeRO-3: the full parameters exist only while the unit runs
 
     def unit_backward_start(self, unit: FlatUnit) -> None:
+        self._wait_update(unit)
         self._prefetch(self.trace.visit("backward", unit.index))
         unit.unshard()
         self._note_gathered()
@@ -280,7 +290,7 @@ class Engine:
             self._update_order.append(unit.index)
             following = self._next_update.get(unit.index)
             then = self.units[following].chunks if following is not None else []
-            self._pending_updates.append(self._optimizer_thread.submit(self._update, unit, 1.0, then))
+            self._pending[unit.index] = self._optimizer_thread.submit(self._update, unit, self.lr, 1.0, then)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -295,18 +305,21 @@ class Engine:
         """Start bringing the parameter shards of the units expected next (`prefetch_depth` of them)
         closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST
         (`runtime.memory_plan.device_window`; DESIGN.md's two levels)."""
-        keys = [self.units[i].param_key for i in unit_indices
-                if not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
+        # A unit still being updated is skipped: its update brings its shard into memory itself.
+        keys = [self.units[i].param_key for i in unit_indices if i not in self._pending
+                and not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
             self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
             if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
                 self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
 
-    def _reset_accumulation(self) -> None:
-        for u in self.units:  # gradients are spent (or abandoned): never write them back anywhere
-            if u.index in self._have_grad:
+    def _reset_accumulation(self, *, drop_grads: bool) -> None:
+        """End an accumulation window. `drop_grads`: no update will spend its gradients (a skipped
+        step, or a window a checkpoint load abandons), so drop them here, never written back."""
+        for u in self.units:
+            if drop_grads and u.index in self._have_grad:
                 for c in u.chunks:
-                    if c.grad_key in self.store:  # an update already dropped it
+                    if c.grad_key in self.store:
                         self.store.delete(c.grad_key)
         self._micro = 0
         if self._update_order:
@@ -321,30 +334,54 @@ class Engine:
         """Updates may run during backward: nothing needs every gradient first."""
         return self.config.grad_clip is None and not self.scaler.enabled
 
-    def _update(self, unit: FlatUnit, coef: float, then: list) -> None:
+    def _update(self, unit: FlatUnit, lr: float, coef: float, then: list) -> None:
         """One unit's update on the optimizer thread, while backward goes on; the states of `then`
         (the next unit's chunks, expected from the last step's order) are prefetched as it ends."""
         t0 = time.perf_counter()
-        self._stream_updates(unit.chunks, coef, then)
+        self._stream_updates(unit.chunks, lr, coef, then)
         unit.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
-    def _run_updates(self, coef: float) -> None:
-        t0 = time.perf_counter()
-        units = [u for u in self.units if u.index in self._have_grad]
-        order = [c for u in units for c in u.chunks]
+    def _start_updates(self, coef: float) -> None:
+        """After backward (clipping or fp16): every unit with a gradient, in the order the next
+        forward wants them. States in the work tier take one fused call, here; streamed ones go to
+        the optimizer thread, and each unit's future completes as its last chunk is written."""
+        forward = self.trace.recorded.get("forward", [])
+        rank = {index: pos for pos, index in enumerate(forward)}
+        units = sorted((u for u in self.units if u.index in self._have_grad),
+                       key=lambda u: rank.get(u.index, len(rank)))
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
+            t0 = time.perf_counter()
             with ParamWriter(self.store, self.place) as params:
-                update_chunks(order, self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
-        else:
-            self._stream_updates(order, coef)
-        for u in units:
-            u.opt_steps += 1
-        self._opt_seconds += time.perf_counter() - t0
+                update_chunks([c for u in units for c in u.chunks], self.store, self.place, self.hp, params,
+                              lr=self.lr, grad_scale=coef)
+            for u in units:
+                u.opt_steps += 1
+            self._opt_seconds += time.perf_counter() - t0
+            return
+        futures = {u.index: Future() for u in units}
+        self._pending.update(futures)
+        lr = self.lr  # the loop may set the next step's before these have run
 
-    def _stream_updates(self, order: list, coef: float, then: Sequence = ()) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._stream_updates([c for u in units for c in u.chunks], lr, coef, finished=futures)
+            except BaseException as e:
+                for f in futures.values():
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+            finally:
+                self._opt_seconds += time.perf_counter() - t0
+
+        self._optimizer_thread.submit(run)
+
+    def _stream_updates(self, order: list, lr: float, coef: float, then: Sequence = (),
+                        finished: dict | None = None) -> None:
         """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
-        (past the end of `order`, the optimizer states of the chunks in `then`)."""
+        (past the end of `order`, the optimizer states of the chunks in `then`). With `finished`,
+        each unit's step count advances and its future completes as its last chunk is done."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
         with ParamWriter(self.store, self.place) as params:
@@ -354,19 +391,29 @@ class Engine:
                     keys = [k for c in ahead for k in (*self._master_keys(c), c.opt_key, c.grad_key)]
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
-                update_chunks([chunk], self.store, self.place, self.hp, params, lr=self.lr, grad_scale=coef)
+                update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef)
+                if finished is not None and chunk is chunk.unit.chunks[-1]:
+                    chunk.unit.opt_steps += 1
+                    finished[chunk.unit.index].set_result(None)
 
-    @staticmethod
-    def _master_keys(chunk) -> tuple[str, ...]:
+    def _master_keys(self, chunk) -> tuple[str, ...]:
         """The store key a chunk's update needs besides its own: its unit's parameter shard, when
-        that is the master (asked for once, with the unit's first chunk)."""
+        that is the master (asked for once, with the unit's first chunk) and not in usable memory."""
         unit = chunk.unit
-        return (unit.param_key,) if chunk.index == 0 and unit.master_is_param and not unit.aliased else ()
+        if chunk.index != 0 or not unit.master_is_param or unit.aliased:
+            return ()
+        return (unit.param_key,) if self.store.ram_tier_of(unit.param_key) is None else ()
+
+    def _wait_update(self, unit: FlatUnit) -> None:
+        """Before a unit is gathered again: its update, if one is still running, has finished."""
+        future = self._pending.pop(unit.index, None)
+        if future is not None:
+            future.result()
 
     def _wait_updates(self) -> None:
-        for f in self._pending_updates:
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
             f.result()
-        self._pending_updates.clear()
 
     def _global_norm(self) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow."""

@@ -39,6 +39,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim
 def test_fp32_keeps_the_master_once_and_checkpoints_it_whole(tmp_path, params):
     e = make(tmp_path, "a", params, "nvme")
     train_engine(None, None, batches(3), engine=e)
+    e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    e.synchronize()  # (saving waited for the last step's updates already)
     unit = e.units[1]
     chunk = unit.chunks[-1]
     state = e.store.fetch(chunk.opt_key, Tier.HOST).result()
@@ -46,7 +48,6 @@ def test_fp32_keeps_the_master_once_and_checkpoints_it_whole(tmp_path, params):
     m_v = state.clone()
     e.store.release(chunk.opt_key)
     trained = unit.full_values()[chunk.start : chunk.end]
-    e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
     saved = load_file(str(tmp_path / "ckpt" / "t" / "rank0.safetensors"))[chunk.opt_key]
     assert torch.equal(saved, torch.cat([trained, m_v])), "the file keeps [master|m|v], as SPEC §4 says"
     e.close()

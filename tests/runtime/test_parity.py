@@ -228,3 +228,36 @@ def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to
     assert firsts <= {u[-1] for u in device}
     assert engine.stats()["prefetch_hit_rate"] > 0.5
     engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_learning_rate_schedule_gives_each_step_its_own_rate(tmp_path, clip):
+    # Updates may still run after step() returns (the next forward waits for them); each must use
+    # the rate of the step it belongs to, not the one the loop sets next.
+    rates = [3e-3 * 0.6**i for i in range(6)]
+    data = batches(len(rates))
+    ours_model, ref_model = twins(TinyGPT)
+    opt = torch.optim.AdamW(ref_model.parameters(), **HP)
+    ref = []
+    for lr, (x, y) in zip(rates, data, strict=True):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        loss = ref_model(x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip)
+        opt.step()
+        ref.append(loss.item())
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip)
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    ours = []
+    for lr, (x, y) in zip(rates, data, strict=True):
+        engine.lr = lr
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        ours.append(loss.item())
+    assert_losses_match(ours, ref)
+    engine.close()
