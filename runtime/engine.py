@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -41,7 +42,7 @@ from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
 from runtime.materialize import materialize_unit
-from runtime.memory_plan import MemoryPlan, device_window, master_is_param, plan_memory
+from runtime.memory_plan import HANDED_OVER, MemoryPlan, device_window, master_is_param, plan_memory
 from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
 from runtime.state_dict import export_safetensors, full_state_dict
 from runtime.trace import Trace
@@ -81,6 +82,7 @@ class Engine:
         self.lr = self.hp.lr
         self.model = model
         self.place = placement(config)
+        self._work_device = self.device if self.place.work_tier == Tier.DEVICE else torch.device("cpu")
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
         # Units of the prefetch window asked onto DEVICE; on a GPU the rest waits in HOST.
@@ -92,6 +94,9 @@ class Engine:
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
         self._pending: dict[int, Future] = {}  # unit index -> its update on the optimizer thread
+        # Overlapped updates given their gradient in memory (not through the store), oldest first:
+        # backward waits while HANDED_OVER of them are still running, which bounds that memory.
+        self._handed_over: deque[Future] = deque()
         # Units in the order their gradients were final, this step and the last: an overlapped
         # update prefetches the optimizer states of the unit expected after it.
         self._update_order: list[int] = []
@@ -266,10 +271,15 @@ class Engine:
             first = unit.index not in self._have_grad
             self._have_grad.add(unit.index)
             last = self._micro + 1 == accum
+            # One micro-step whose update starts now, where the shard already is: the update takes
+            # the shard itself, with no copy into the store and no wait for room there.
+            hand_over = first and last and self._overlapped() and shard.device == self._work_device
             sqnorm = 0.0
             for c in unit.chunks:
                 piece = shard[c.start : c.end]
-                if first:
+                if hand_over:
+                    acc = piece
+                elif first:
                     self.store.put(c.grad_key, piece, self.place.work_tier)
                     acc = piece
                 else:
@@ -277,12 +287,13 @@ class Engine:
                     acc.add_(piece)
                 if last:
                     sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
-                if not first:
+                if not first and not hand_over:
                     self.store.release(c.grad_key, dirty=True)
             if last:
                 self._sqnorm[unit.index] = sqnorm
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
+        handed = shard if hand_over else None
         del grad, full, shard
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
@@ -290,7 +301,13 @@ class Engine:
             self._update_order.append(unit.index)
             following = self._next_update.get(unit.index)
             then = self.units[following].chunks if following is not None else []
-            self._pending[unit.index] = self._optimizer_thread.submit(self._update, unit, self.lr, 1.0, then)
+            if handed is not None:
+                while self._handed_over and (self._handed_over[0].done() or len(self._handed_over) >= HANDED_OVER):
+                    self._handed_over.popleft().result()
+            future = self._optimizer_thread.submit(self._update, unit, self.lr, 1.0, then, handed)
+            self._pending[unit.index] = future
+            if handed is not None:
+                self._handed_over.append(future)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -334,11 +351,11 @@ class Engine:
         """Updates may run during backward: nothing needs every gradient first."""
         return self.config.grad_clip is None and not self.scaler.enabled
 
-    def _update(self, unit: FlatUnit, lr: float, coef: float, then: list) -> None:
+    def _update(self, unit: FlatUnit, lr: float, coef: float, then: list, grad: torch.Tensor | None) -> None:
         """One unit's update on the optimizer thread, while backward goes on; the states of `then`
         (the next unit's chunks, expected from the last step's order) are prefetched as it ends."""
         t0 = time.perf_counter()
-        self._stream_updates(unit.chunks, lr, coef, then)
+        self._stream_updates(unit.chunks, lr, coef, then, grad=grad)
         unit.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
@@ -378,20 +395,23 @@ class Engine:
         self._optimizer_thread.submit(run)
 
     def _stream_updates(self, order: list, lr: float, coef: float, then: Sequence = (),
-                        finished: dict | None = None) -> None:
+                        finished: dict | None = None, grad: torch.Tensor | None = None) -> None:
         """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
         (past the end of `order`, the optimizer states of the chunks in `then`). With `finished`,
-        each unit's step count advances and its future completes as its last chunk is done."""
+        each unit's step count advances and its future completes as its last chunk is done.
+        `grad`: one unit's gradient shard handed over in memory (its chunks read no grad keys)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
         with ParamWriter(self.store, self.place) as params:
             for i, chunk in enumerate(order):
                 if streaming:
                     ahead = order[i + 1 : i + 1 + depth]
-                    keys = [k for c in ahead for k in (*self._master_keys(c), c.opt_key, c.grad_key)]
+                    keys = [k for c in ahead for k in (*self._master_keys(c), c.opt_key)
+                            + ((c.grad_key,) if grad is None else ())]
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
-                update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef)
+                update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef,
+                              grads=None if grad is None else [grad[chunk.start : chunk.end]])
                 if finished is not None and chunk is chunk.unit.chunks[-1]:
                     chunk.unit.opt_steps += 1
                     finished[chunk.unit.index].set_result(None)
@@ -467,7 +487,8 @@ class Engine:
                            world=self.group.world, stage=c.stage, offload_params=c.offload_params,
                            offload_optimizer=c.offload_optimizer, prefetch_depth=c.prefetch_depth,
                            sub_group_size=c.sub_group_size, fp32=self.dtype == torch.float32,
-                           overlapped=self._overlapped(), device_type=self.device.type)
+                           overlapped=self._overlapped(), device_type=self.device.type,
+                           grad_accumulation=c.grad_accumulation)
 
     def _budgets(self, layouts: list[Layout]) -> tuple[int, int]:
         """Budgets from the config, or derived from the memory plan and the machine; checked against

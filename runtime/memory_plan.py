@@ -9,10 +9,11 @@ Three kinds of bytes:
   GPU its nearer half on DEVICE, the rest in HOST; see `device_window`),
   fp32 gradient shards accumulated until the step, the optimizer's read → update → write window,
   and updated parameter shards kept in HOST on their way to NVMe;
-- gathered: whole-unit parameter buffers outside the store (the units being computed under
-  ZeRO-3 with several ranks; every unit, whole, under stages 1 and 2). One rank borrows the stored
-  shard instead (runtime/flat_unit.py, [Note: borrowed shards]), so its gathered units are DEVICE
-  runtime bytes. Activations are the model's and not counted.
+- gathered: buffers outside the store: whole-unit parameter buffers (the units being computed
+  under ZeRO-3 with several ranks; every unit, whole, under stages 1 and 2; one rank borrows the
+  stored shard instead, runtime/flat_unit.py [Note: borrowed shards], so its gathered units are
+  DEVICE runtime bytes), and gradient shards handed straight to overlapped updates (at most
+  `HANDED_OVER` units' worth, in the work tier's memory). Activations are the model's and not counted.
 Every store key occupies whole pages, so counts are rounded per key.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PAGE = 4096
+HANDED_OVER = 2  # overlapped updates holding their gradient shard in memory at once (runtime/engine.py)
 
 
 def _pages(nbytes: int) -> int:
@@ -84,7 +86,7 @@ def unit_chunks(shard: int, sub_group_size: int, aliased: bool) -> list[int]:
 
 def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, stage: int,
                 offload_params: str, offload_optimizer: str, prefetch_depth: int, sub_group_size: int,
-                fp32: bool, overlapped: bool, device_type: str) -> MemoryPlan:
+                fp32: bool, overlapped: bool, device_type: str, grad_accumulation: int = 1) -> MemoryPlan:
     """Per-rank bytes of every tier. `shards`/`padded`: elements of each unit's shard / whole buffer.
     `overlapped`: each unit is updated (and its gradient dropped) as soon as its gradient is final,
     so gradients of about one unit are alive at once instead of all of them until the step.
@@ -104,6 +106,9 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
     param_all = sum(_pages(s * elem) for s in shards)  # one key per unit
     state_all = sum(_pages(c * state_elem) for c in flat)
     grad_all = sum(_pages(c * 4) for c in flat)
+    # One micro-step, overlapped, and the gradient already where the update runs: the update takes
+    # the shard itself (no store key), and backward waits while HANDED_OVER of them are in flight.
+    handed_over = overlapped and grad_accumulation == 1 and (device_type == "cpu" or work_on_device)
     if overlapped:
         grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
     largest_unit = max(_pages(s * elem) for s in shards)
@@ -135,7 +140,7 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         host["runtime"] += param_all
         host_min += largest_unit + PAGE
     work = dev if work_on_device else host
-    work["runtime"] += grad_all
+    work["gathered" if handed_over else "runtime"] += grad_all * (HANDED_OVER if handed_over else 1)
     # The update holds one unit's parameter shard: aliased ones and, on a CPU, the master ones where
     # they rest; on a GPU a master is fetched to the work tier; otherwise a new shard is staged
     # beside the old one.

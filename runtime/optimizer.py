@@ -58,7 +58,7 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
 
 
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter, *,
-                  lr: float, grad_scale: float) -> None:
+                  lr: float, grad_scale: float, grads: list[torch.Tensor] | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -66,9 +66,13 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     `params` lends the masters that are parameter shards and takes the others' new values.
+    `grads`: the chunks' gradients handed over in memory; without them they are read from the store
+    (and dropped from it after the update).
     """
+    stored = grads is None
     states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
-    grads = [store.fetch(c.grad_key, place.work_tier).result() for c in chunks]
+    if stored:
+        grads = [store.fetch(c.grad_key, place.work_tier).result() for c in chunks]
     try:
         masters, exp_avgs, exp_avg_sqs = [], [], []
         for c, st in zip(chunks, states, strict=True):
@@ -93,9 +97,10 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             params.write(c, master)
     finally:
         for c in chunks:
-            store.release(c.grad_key)
+            if stored:
+                store.release(c.grad_key)
             store.release(c.opt_key, dirty=True)
-    for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
+    for c in chunks if stored else ():  # spent: its memory is free for the next chunk's, never written back
         store.delete(c.grad_key)
     if place.opt_tier == Tier.NVME:
         for c in chunks:

@@ -29,7 +29,8 @@ def legal_settings(stage: int | None = None, offload_params: str | None = None,
 
 def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", stage: int = 3,
              offload_params: str = "none", offload_optimizer: str = "none", prefetch_depth: int = 2,
-             sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0, device: str = "cuda") -> MemoryPlan:
+             sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0, device: str = "cuda",
+             grad_accumulation: int = 1) -> MemoryPlan:
     """Per-rank bytes per tier for units of these sizes (parameters per unit, root unit last).
     Without clipping (and not fp16) the engine updates each unit during backward, so gradients of
     one unit at a time are held instead of all of them. `device`: "cuda" or "cpu" (DEVICE is RAM too,
@@ -39,7 +40,8 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
     return plan_memory([p // world for p in padded], padded, elem=elem, world=world, stage=stage,
                        offload_params=offload_params, offload_optimizer=offload_optimizer,
                        prefetch_depth=prefetch_depth, sub_group_size=sub_group_size, fp32=dtype == "fp32",
-                       overlapped=grad_clip is None and dtype != "fp16", device_type=device)
+                       overlapped=grad_clip is None and dtype != "fp16", device_type=device,
+                       grad_accumulation=grad_accumulation)
 
 
 def estimate_table(unit_numels: list[int], settings: list[tuple[int, str, str]], **kw) -> list[dict]:

@@ -261,3 +261,26 @@ def test_a_learning_rate_schedule_gives_each_step_its_own_rate(tmp_path, clip):
         ours.append(loss.item())
     assert_losses_match(ours, ref)
     engine.close()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_overlapped_updates_take_one_micro_steps_gradient_in_memory(tmp_path, accum):
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_accumulation=accum, grad_clip=None)
+    ours_model, ref_model = twins(TinyGPT)
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    staged = []
+    real = engine.store.stage
+
+    def spy(key, *args, **kwargs):
+        staged.append(key)
+        return real(key, *args, **kwargs)
+
+    engine.store.stage = spy
+    data = batches(4 * accum)
+    ours, _ = train_engine(ours_model, cfg, data, accum=accum, engine=engine)
+    assert_losses_match(ours, train_plain(ref_model, data, accum=accum))
+    grads = [k for k in staged if ".grad" in k]
+    # One micro-step: no gradient is copied into the store. Accumulating ones must be kept there.
+    assert (len(grads) == 0) if accum == 1 else (len(grads) > 0), grads[:3]
+    engine.close()

@@ -47,10 +47,11 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
                     offload_optimizer=opt, grad_clip=clip)
     device = s["device"]["peak"] + s["gathered"]["peak"]
     assert _within(device, plan.device.total), (device, plan.device)
-    # HOST may come in under the plan by a little more: the plan caches every updated parameter
-    # shard there, while on a CPU a shard updated in place stays in DEVICE until pushed down.
-    host = s["host"]["peak"]
-    assert _within(host, plan.host.total) or plan.host.total >= host >= 0.85 * plan.host.total, (s["host"], plan.host)
+    # The store's HOST (gradients handed straight to the optimizer are outside it). It may come in
+    # under the plan by a little more: the plan caches every updated parameter shard there, while on
+    # a CPU a shard updated in place stays in DEVICE until pushed down.
+    host, planned = s["host"]["peak"], plan.host.states + plan.host.runtime
+    assert _within(host, planned) or planned >= host >= 0.85 * planned, (s["host"], plan.host)
     assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
 
 
