@@ -293,7 +293,9 @@ class Engine:
                 self._sqnorm[unit.index] = sqnorm
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
-        handed = shard if hand_over else None
+        handed = None
+        if hand_over:  # gloo's shard is a view of the whole reduced gradient: keep only the shard alive
+            handed = shard.clone() if shard.untyped_storage().nbytes() > shard.nbytes else shard
         del grad, full, shard
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()

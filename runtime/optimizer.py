@@ -100,8 +100,9 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             if stored:
                 store.release(c.grad_key)
             store.release(c.opt_key, dirty=True)
-    for c in chunks if stored else ():  # spent: its memory is free for the next chunk's, never written back
-        store.delete(c.grad_key)
+    if stored:
+        for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
+            store.delete(c.grad_key)
     if place.opt_tier == Tier.NVME:
         for c in chunks:
             store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
@@ -152,7 +153,9 @@ class ParamWriter:
                     self._lent[unit.param_key] = (shard, left - 1)
                 else:
                     self.store.release(unit.param_key, dirty=True)
-                    if self.place.param_tier == Tier.HOST:  # back where it rests (on a CPU, no copy)
+                    if self.place.param_tier != Tier.DEVICE:
+                        # To HOST (on a CPU, no copy), as a staged shard would go: the resting tier,
+                        # or for NVMe the cache the next forward reads from until evicted.
                         self.store.evict(unit.param_key, Tier.HOST)
             return
         if unit.aliased:  # the stored shard is the live flat buffer: update it in place
