@@ -358,7 +358,6 @@ class Engine:
         (the next unit's chunks, expected from the last step's order) are prefetched as it ends."""
         t0 = time.perf_counter()
         self._stream_updates(unit.chunks, lr, coef, then, grad=grad)
-        unit.opt_steps += 1
         self._opt_seconds += time.perf_counter() - t0
 
     def _start_updates(self, coef: float) -> None:
@@ -399,8 +398,8 @@ class Engine:
     def _stream_updates(self, order: list, lr: float, coef: float, then: Sequence = (),
                         finished: dict | None = None, grad: torch.Tensor | None = None) -> None:
         """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
-        (past the end of `order`, the optimizer states of the chunks in `then`). With `finished`,
-        each unit's step count advances and its future completes as its last chunk is done.
+        (past the end of `order`, the optimizer states of the chunks in `then`). Each unit's step
+        count advances as its last chunk is done, and then its future in `finished` (if given) completes.
         `grad`: one unit's gradient shard handed over in memory (its chunks read no grad keys)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
@@ -408,15 +407,17 @@ class Engine:
             for i, chunk in enumerate(order):
                 if streaming:
                     ahead = order[i + 1 : i + 1 + depth]
-                    keys = [k for c in ahead for k in (*self._master_keys(c), c.opt_key)
-                            + ((c.grad_key,) if grad is None else ())]
+                    keys = []
+                    for c in ahead:
+                        keys += [*self._master_keys(c), c.opt_key] + ([c.grad_key] if grad is None else [])
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef,
                               grads=None if grad is None else [grad[chunk.start : chunk.end]])
-                if finished is not None and chunk is chunk.unit.chunks[-1]:
+                if chunk is chunk.unit.chunks[-1]:
                     chunk.unit.opt_steps += 1
-                    finished[chunk.unit.index].set_result(None)
+                    if finished is not None:
+                        finished[chunk.unit.index].set_result(None)
 
     def _master_keys(self, chunk) -> tuple[str, ...]:
         """The store key a chunk's update needs besides its own: its unit's parameter shard, when
