@@ -128,7 +128,7 @@ class ParamWriter:
         self.store = store
         self.place = place
         self.in_place = in_place
-        self._staged: dict[int, tuple[StagedPut, int]] = {}  # unit index -> (staged put, chunks left)
+        self._staged: dict[str, tuple[StagedPut, int]] = {}  # parameter key -> (staged put, chunks left)
         self._lent: dict[str, tuple[torch.Tensor, int]] = {}  # parameter key -> (fetched shard, chunks left)
 
     def master(self, chunk: Chunk) -> torch.Tensor:
@@ -147,32 +147,26 @@ class ParamWriter:
         """The chunk's new parameter values are `master` (in place: already written)."""
         unit = chunk.unit
         if self.in_place and unit.master_is_param:
-            if not unit.aliased:
-                shard, left = self._lent.pop(unit.param_key)
-                if left > 1:
-                    self._lent[unit.param_key] = (shard, left - 1)
-                else:
-                    self.store.release(unit.param_key, dirty=True)
-                    if self.place.param_tier != Tier.DEVICE:
-                        # To HOST (on a CPU, no copy), as a staged shard would go: the resting tier,
-                        # or for NVMe the cache the next forward reads from until evicted.
-                        self.store.evict(unit.param_key, Tier.HOST)
+            if not unit.aliased and _count_down(self._lent, unit.param_key) is not None:
+                self.store.release(unit.param_key, dirty=True)
+                if self.place.param_tier != Tier.DEVICE:
+                    # To HOST (on a CPU, no copy), as a staged shard would go: the resting tier,
+                    # or for NVMe the cache the next forward reads from until evicted.
+                    self.store.evict(unit.param_key, Tier.HOST)
             return
         if unit.aliased:  # the stored shard is the live flat buffer: update it in place
             with torch.no_grad():
                 unit.flat[chunk.start : chunk.end].copy_(master)
             return
-        if unit.index not in self._staged:
+        if unit.param_key not in self._staged:
             # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward
             # reads them from memory, and only eviction under pressure writes them to the swap file.
             tier = Tier.HOST if self.place.param_tier == Tier.NVME else self.place.param_tier
             staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier)
-            self._staged[unit.index] = (staged, len(unit.chunks))
-        staged, left = self._staged.pop(unit.index)
+            self._staged[unit.param_key] = (staged, len(unit.chunks))
+        staged = self._staged[unit.param_key][0]
         staged.tensor[chunk.start : chunk.end].copy_(master)
-        if left > 1:
-            self._staged[unit.index] = (staged, left - 1)
-        else:
+        if _count_down(self._staged, unit.param_key) is not None:
             staged.commit()
 
     def __enter__(self) -> ParamWriter:
@@ -185,3 +179,12 @@ class ParamWriter:
         for key in self._lent:  # updated in place up to where the pass stopped, as their states were
             self.store.release(key, dirty=True)
         self._lent.clear()
+
+
+def _count_down(table: dict, key: str):
+    """One more chunk of `key` is done: its value once that was the last chunk, else None."""
+    value, left = table.pop(key)
+    if left > 1:
+        table[key] = (value, left - 1)
+        return None
+    return value
