@@ -3,7 +3,7 @@
     python -m tools.bench_engine optimizer [--params 100M] [--repeats 5]
     python -m tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 4] [--rounds 1]
                                       [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip]
-                                      [--budget 256M] [--host-budget SIZE] [--checkpoint]
+                                      [--budget 256M] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
 no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe). Ratios are
@@ -11,6 +11,9 @@ against the first kind listed.
 
 Every configuration runs in its own process, so that its peak RSS is its own; configurations are
 interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
+After each round, where fio is installed, fio reads and writes the same folder at once for a few
+seconds: the disk's speed of the moment, from which each NVMe kind's disk-time floor (its bytes per
+step at that speed) is reported next to its step time.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ import time
 
 import torch
 
+from tools.fio import fio_available, fio_mixed_throughput
 from tools.report import peak_rss
 from tools.units import human_bytes, parse_size
+
+DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 threads), and fio's
 
 # -- what one process measures ---------------------------------------------------------------------
 
@@ -109,18 +115,24 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
                                   device_budget=budget if offload == "nvme" else None,
                                   host_budget=(host_budget or budget) if offload == "nvme" else None,
                                   sub_group_size=1 << 21,
-                                  io={"block_size": 8 << 20, "threads": 4, "checksum": checksum})
+                                  io={"block_size": DISK_BLOCK, "threads": DISK_DEPTH, "checksum": checksum})
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
+            starts = []
             for i, tokens in enumerate(data):
-                if i == 1:
-                    before = engine.stats()
-                t0 = time.perf_counter()
+                if i == 1:  # the warm-up step's updates landed: the counts below are steps 1.. only
+                    engine.synchronize()
+                    before, usage[0] = engine.stats(), _usage()
+                starts.append(time.perf_counter())
                 loss = engine(tokens[:, :-1], tokens[:, 1:])
                 engine.backward(loss)
                 engine.step()
-                times.append(time.perf_counter() - t0)
+                if i == len(data) - 1:
+                    engine.synchronize()  # the last step's updates, which the next forward would wait for
                 usage.append(_usage())
+            # `step()` returns before streamed updates land (the next forward waits for them), so a
+            # step is timed from its start to the next one's, the last to the end of its updates.
+            times = [b - a for a, b in zip(starts, [*starts[1:], time.perf_counter()], strict=True)]
             after = engine.stats()
             engine.close()
         n = len(data) - 1
@@ -147,6 +159,20 @@ def _usage() -> tuple[float, float, int]:
 
 # -- the driver ------------------------------------------------------------------------------------
 
+
+def _disk_reference(folder: str, seconds: float = 5.0) -> dict:
+    """What the disk gives right now to a steady half-read, half-write load (fio), for comparison with
+    the bytes a step moves: the disk's speed here swings by 2x from one run to the next."""
+    path = os.path.join(folder, f"outcore-fio-{os.getpid()}.bin")
+    try:
+        rd, wr = fio_mixed_throughput(path, size=1 << 30, block_size=DISK_BLOCK, queue_depth=DISK_DEPTH,
+                                      seconds=seconds)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return {"kind": "fio-mixed", "read_Bps": rd, "write_Bps": wr}
+
+
 def _child(args: list[str]) -> dict:
     res = subprocess.run([sys.executable, "-m", "tools.bench_engine", "_run", *args], capture_output=True, text=True)
     if res.returncode != 0:
@@ -172,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--kinds", default="plain,nvme-noclip,nvme-clip", help="what to run; ratios are to the first")
     s.add_argument("--no-checksum", action="store_true", help="NVMe runs skip crc32 (IOConfig(checksum=False))")
+    s.add_argument("--no-fio", action="store_true", help="skip the disk reference (fio) run after each round")
     for q in (o, s):
         q.add_argument("--json", metavar="PATH")
     r = sub.add_parser("_run")
@@ -208,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    "budget": args.budget, "host_budget": args.host_budget,
                                                    "checkpoint": args.checkpoint, "dtype": args.dtype,
                                                    "checksum": not args.no_checksum})]))
+            if not args.no_fio and fio_available() and any(k.startswith("nvme") for k in kinds):
+                results.append(_disk_reference(args.dir))
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
+        disk = [r for r in results if r["kind"] == "fio-mixed"]
+        disk_Bps = statistics.median(r["read_Bps"] + r["write_Bps"] for r in disk) if disk else None
         budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
         ckpt = ", activation checkpointing" if args.checkpoint else ""
         print(f"{args.preset}, batch {args.batch}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "
@@ -224,7 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                 r0 = rs[0]
                 line += (f"  I/O wait {r0['wait_fraction']:.0%}  read {human_bytes(r0['read_bytes_per_step'])}"
                          f"/step  written {human_bytes(r0['written_bytes_per_step'])}/step")
+                if disk_Bps:
+                    moved = statistics.median(r["read_bytes_per_step"] + r["written_bytes_per_step"] for r in rs)
+                    floor = moved / disk_Bps
+                    line += f"  disk-time floor {floor:.2f} s/step ({floor / plain:.2f}x)"
             print(line)
+        if disk:
+            rd, wr = (statistics.median(r[k] for r in disk) / 1e9 for k in ("read_Bps", "write_Bps"))
+            print(f"  disk (fio after each round, reading and writing at once, {DISK_BLOCK >> 20} MiB blocks, depth "
+                  f"{DISK_DEPTH}): {rd:.2f} GB/s read + {wr:.2f} GB/s written. The floor is a step's bytes at that "
+                  "rate: the least time this disk needs for them, even with every byte hidden behind compute.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -24,3 +24,16 @@ def fio_throughput(path: str, *, write: bool, size: int, block_size: int, queue_
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
     return float(job["write" if write else "read"]["bw_bytes"])
+
+
+def fio_mixed_throughput(path: str, *, size: int, block_size: int, queue_depth: int,
+                         seconds: float) -> tuple[float, float]:
+    """(read, write) bytes per second of one fio job reading and writing at once, half and half,
+    sequentially over `path` with O_DIRECT: the mix a step's optimizer stream puts on the disk."""
+    cmd = ["fio", "--name=outcore-mixed", f"--filename={path}", "--rw=rw", "--rwmixread=50",
+           f"--bs={block_size}", f"--size={size}", "--direct=1", "--ioengine=libaio",
+           f"--iodepth={queue_depth}", "--numjobs=1", "--time_based", f"--runtime={seconds:g}",
+           "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return float(job["read"]["bw_bytes"]), float(job["write"]["bw_bytes"])
