@@ -208,6 +208,12 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                     engine.backward(loss)
                     loss_sum += float(loss.detach())
                 result = engine.step()
+                evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
+                saving = bool(opts.save_every) and (step + 1) % opts.save_every == 0 and step + 1 != steps
+                if evaluating or saving:
+                    # step() returns before its streamed updates land and the next forward waits for
+                    # them; what comes next is not a training step, so this step's time includes them.
+                    engine.synchronize()
                 dt = time.perf_counter() - t0
                 now = engine.stats()
                 loss_value = loss_sum / accum
@@ -227,11 +233,11 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 if bar is not None:
                     bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
                     bar.update(1)
-                if (step + 1) % eval_every == 0 or step + 1 == steps:
+                if evaluating:
                     val = evaluate(engine, held_out, opts, gpt.seq, device)
                     val_history.append((step + 1, val))
                     (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
-                if opts.save_every and (step + 1) % opts.save_every == 0 and step + 1 != steps:
+                if saving:
                     engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
         if opts.save_final and steps > start:
             engine.save_checkpoint(ckpt_dir, f"step{steps}")
