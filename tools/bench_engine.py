@@ -12,8 +12,8 @@ against the first kind listed.
 Every configuration runs in its own process, so that its peak RSS is its own; configurations are
 interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
 After each round, where fio is installed, fio reads and writes the same folder at once for a few
-seconds: the disk's speed of the moment, from which each NVMe kind's disk-time floor (its bytes per
-step at that speed) is reported next to its step time.
+seconds: the disk's speed of the moment, next to which each NVMe kind reports how long per step
+its own I/O kept the disk busy and at what speed.
 """
 
 from __future__ import annotations
@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(_disk_reference(args.dir))
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
         disk = [r for r in results if r["kind"] == "fio-mixed"]
-        disk_Bps = statistics.median(r["read_Bps"] + r["write_Bps"] for r in disk) if disk else None
         budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
         ckpt = ", activation checkpointing" if args.checkpoint else ""
         print(f"{args.preset}, batch {args.batch}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "
@@ -255,16 +254,14 @@ def main(argv: list[str] | None = None) -> int:
                 r0 = rs[0]
                 line += (f"  I/O wait {r0['wait_fraction']:.0%}  read {human_bytes(r0['read_bytes_per_step'])}"
                          f"/step  written {human_bytes(r0['written_bytes_per_step'])}/step")
-                if disk_Bps:
-                    moved = statistics.median(r["read_bytes_per_step"] + r["written_bytes_per_step"] for r in rs)
-                    floor = moved / disk_Bps
-                    line += f"  disk-time floor {floor:.2f} s/step ({floor / plain:.2f}x)"
+                busy = statistics.median(r["io_busy_s_per_step"] for r in rs)
+                moved = statistics.median(r["read_bytes_per_step"] + r["written_bytes_per_step"] for r in rs)
+                line += f"  disk busy {busy:.2f} s/step at {moved / max(busy, 1e-9) / 1e9:.2f} GB/s"
             print(line)
         if disk:
             rd, wr = (statistics.median(r[k] for r in disk) / 1e9 for k in ("read_Bps", "write_Bps"))
             print(f"  disk (fio after each round, reading and writing at once, {DISK_BLOCK >> 20} MiB blocks, depth "
-                  f"{DISK_DEPTH}): {rd:.2f} GB/s read + {wr:.2f} GB/s written. The floor is a step's bytes at that "
-                  "rate: the least time this disk needs for them, even with every byte hidden behind compute.")
+                  f"{DISK_DEPTH}): {rd:.2f} GB/s read + {wr:.2f} GB/s written.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
