@@ -159,7 +159,6 @@ def _usage() -> tuple[float, float, int]:
 
 # -- the driver ------------------------------------------------------------------------------------
 
-
 def _disk_reference(folder: str, seconds: float = 5.0) -> dict:
     """What the disk gives right now to a steady half-read, half-write load (fio), for comparison with
     the bytes a step moves: the disk's speed here swings by 2x from one run to the next."""
