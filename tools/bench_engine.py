@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"/step  written {human_bytes(r0['written_bytes_per_step'])}/step")
                 busy = statistics.median(r["io_busy_s_per_step"] for r in rs)
                 moved = statistics.median(r["read_bytes_per_step"] + r["written_bytes_per_step"] for r in rs)
-                line += f"  disk busy {busy:.2f} s/step at {moved / max(busy, 1e-9) / 1e9:.2f} GB/s"
+                if moved:
+                    line += f"  disk busy {busy:.2f} s/step at {moved / max(busy, 1e-9) / 1e9:.2f} GB/s"
             print(line)
         if disk:
             rd, wr = (statistics.median(r[k] for r in disk) / 1e9 for k in ("read_Bps", "write_Bps"))
