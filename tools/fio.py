@@ -21,9 +21,7 @@ def fio_throughput(path: str, *, write: bool, size: int, block_size: int, queue_
         cmd.append("--end_fsync=1")
     else:
         cmd.append("--invalidate=1")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return float(job["write" if write else "read"]["bw_bytes"])
+    return float(_run_job(cmd)["write" if write else "read"]["bw_bytes"])
 
 
 def fio_mixed_throughput(path: str, *, size: int, block_size: int, queue_depth: int,
@@ -34,6 +32,11 @@ def fio_mixed_throughput(path: str, *, size: int, block_size: int, queue_depth: 
            f"--bs={block_size}", f"--size={size}", "--direct=1", "--ioengine=libaio",
            f"--iodepth={queue_depth}", "--numjobs=1", "--time_based", f"--runtime={seconds:g}",
            "--output-format=json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = _run_job(cmd)
     return float(job["read"]["bw_bytes"]), float(job["write"]["bw_bytes"])
+
+
+def _run_job(cmd: list[str]) -> dict:
+    """Run one fio job with `--output-format=json` and return its report (fio may print warnings first)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{"):])["jobs"][0]
