@@ -159,13 +159,19 @@ def _usage() -> tuple[float, float, int]:
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def _disk_reference(folder: str, seconds: float = 5.0) -> dict:
+def _disk_reference(folder: str, seconds: float = 5.0) -> dict | None:
     """What the disk gives right now to a steady half-read, half-write load (fio), for comparison with
-    the bytes a step moves: the disk's speed here swings by 2x from one run to the next."""
+    the bytes a step moves: the disk's speed here swings by 2x from one run to the next. None (said
+    on stderr) when fio fails there, say on a filesystem without O_DIRECT: the steps still count."""
     path = os.path.join(folder, f"outcore-fio-{os.getpid()}.bin")
     try:
         rd, wr = fio_mixed_throughput(path, size=1 << 30, block_size=DISK_BLOCK, queue_depth=DISK_DEPTH,
                                       seconds=seconds)
+    except (subprocess.CalledProcessError, ValueError, KeyError) as e:
+        lines = (e.stderr or "").strip().splitlines() if isinstance(e, subprocess.CalledProcessError) else []
+        detail = lines[-1] if lines else e
+        print(f"fio failed in {folder} ({detail}); no disk reference for this round", file=sys.stderr)
+        return None
     finally:
         if os.path.exists(path):
             os.remove(path)
@@ -235,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "checkpoint": args.checkpoint, "dtype": args.dtype,
                                                    "checksum": not args.no_checksum})]))
             if not args.no_fio and fio_available() and any(k.startswith("nvme") for k in kinds):
-                results.append(_disk_reference(args.dir))
+                reference = _disk_reference(args.dir)
+                if reference is not None:
+                    results.append(reference)
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
         disk = [r for r in results if r["kind"] == "fio-mixed"]
         budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
