@@ -300,9 +300,11 @@ def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp
         assert plan.keeps_optimizer_states(engine.stats()["host"]["budget"], "nvme") is roomy
         ours, _ = train_engine(ours_model, cfg, data[:2], engine=engine)
         engine.synchronize()
+        engine.store.flush()  # write-backs run behind the updates: count whole steps' worth
         before = engine.stats()["bytes_written"]
         more, _ = train_engine(ours_model, cfg, data[2:], engine=engine)
         engine.synchronize()
+        engine.store.flush()
         written[roomy] = engine.stats()["bytes_written"] - before
         assert_losses_match(ours + more, ref)
         opt_keys = [c.opt_key for u in engine.units for c in u.chunks]
