@@ -18,16 +18,21 @@ def make(tmp_path, name, params="nvme", optim="nvme", **kw):
     return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
 
 
-@pytest.mark.parametrize("params, optim, dtype", [("nvme", "nvme", "fp32"), ("none", "none", "fp32"),
-                                                  ("cpu", "nvme", "fp32"), ("nvme", "nvme", "bf16")])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim, dtype):
+@pytest.mark.parametrize("params, optim, dtype, host", [
+    ("nvme", "nvme", "fp32", None), ("none", "none", "fp32", None), ("cpu", "nvme", "fp32", None),
+    ("nvme", "nvme", "bf16", None),
+    ("nvme", "nvme", "fp32", 64 << 20),  # room for every optimizer state: they stay in HOST, dirty
+])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, params, optim, dtype, host):
     data = batches(12)
-    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a", params, optim, dtype=dtype))
+    kw = {"dtype": dtype, "host_budget": host}
+    whole, e1 = train_engine(None, None, data, engine=make(tmp_path, "a", params, optim, **kw))
     e1.close()
-    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b", params, optim, dtype=dtype))
+    first, e2 = train_engine(None, None, data[:7], engine=make(tmp_path, "b", params, optim, **kw))
+    assert e2.memory_plan().keeps_optimizer_states(e2.stats()["host"]["budget"], optim) is (host is not None)
     e2.save_checkpoint(str(tmp_path / "ckpt"), tag="step7")
     e2.close()
-    e3 = make(tmp_path, "c", params, optim, dtype=dtype)
+    e3 = make(tmp_path, "c", params, optim, **kw)
     meta = e3.load_checkpoint(str(tmp_path / "ckpt"))  # via `latest`
     assert meta["step"] == 7 and meta["tag"] == "step7"
     rest, _ = train_engine(None, None, data[7:], engine=e3)
