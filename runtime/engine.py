@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
 import psutil
 import torch
@@ -119,7 +120,8 @@ class Engine:
         device_budget, host_budget = self._budgets(plan)
         # With room in HOST for every optimizer state, writing them to NVMe and reading them back
         # each step would buy nothing: they stay in HOST once updated.
-        self._write_back_states = not plan.keeps_optimizer_states(host_budget, config.offload_optimizer)
+        keeps = plan.keeps_optimizer_states(host_budget, config.offload_optimizer)
+        self.place = replace(self.place, write_back=not keeps)
         self.store = TieredStore(nvme_dir, self.device, device_budget, host_budget, config.io, rank=self.group.rank,
                                  prefetch_bytes=device_budget // 2)
         resident = config.stage < 3 or (self.group.world == 1 and self.place.param_tier == Tier.DEVICE)
@@ -376,7 +378,7 @@ class Engine:
             t0 = time.perf_counter()
             with ParamWriter(self.store, self.place) as params:
                 update_chunks([c for u in units for c in u.chunks], self.store, self.place, self.hp, params,
-                              lr=self.lr, grad_scale=coef, write_back=self._write_back_states)
+                              lr=self.lr, grad_scale=coef)
             for u in units:
                 u.opt_steps += 1
             self._opt_seconds += time.perf_counter() - t0
@@ -417,8 +419,7 @@ class Engine:
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef,
-                              grads=None if grad is None else [grad[chunk.start : chunk.end]],
-                              write_back=self._write_back_states)
+                              grads=None if grad is None else [grad[chunk.start : chunk.end]])
                 if chunk is chunk.unit.chunks[-1]:
                     chunk.unit.opt_steps += 1
                     if finished is not None:

@@ -46,6 +46,9 @@ class Placement:
     param_tier: Tier  # where parameter shards rest
     opt_tier: Tier  # where [master|m|v] rests
     work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
+    # States resting on NVMe are written back right after their update; False: they stay where
+    # they were updated until evicted (see `MemoryPlan.keeps_optimizer_states`).
+    write_back: bool = True
 
 
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
@@ -58,8 +61,7 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
 
 
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter, *,
-                  lr: float, grad_scale: float, grads: list[torch.Tensor] | None = None,
-                  write_back: bool = True) -> None:
+                  lr: float, grad_scale: float, grads: list[torch.Tensor] | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -69,8 +71,6 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     `params` lends the masters that are parameter shards and takes the others' new values.
     `grads`: the chunks' gradients handed over in memory; without them they are read from the store
     (and dropped from it after the update).
-    `write_back`: states resting on NVMe are written back at once (False: they stay where they were
-    updated until evicted; see `MemoryPlan.keeps_optimizer_states`).
     """
     stored = grads is None
     states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
@@ -106,7 +106,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     if stored:
         for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
             store.delete(c.grad_key)
-    if place.opt_tier == Tier.NVME and write_back:
+    if place.opt_tier == Tier.NVME and place.write_back:
         for c in chunks:
             store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
 
