@@ -219,3 +219,6 @@ class ThreadIOEngine:
                 self.counters.end(len(view), write)
                 self._slots.release()
             handle.block_done(index, crc, error)
+            # Hold no view of the buffer while idle: a freed buffer still viewed cannot be recycled
+            # (see HostBuffer.resize).
+            del item, handle, view

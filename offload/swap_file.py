@@ -111,12 +111,14 @@ class SwapFile:
                 self._alloc.free(ext)
                 raise
 
+        length = len(array)  # not `array` itself: the buffer must not stay viewed once written
+
         def finalize(handle: IOHandle, error: BaseException | None) -> None:
             if error is not None:
                 with self._lock:
                     self._alloc.free(ext)
                 if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
-                    raise StorageFullError(self.directory, len(array), _free_bytes(self.directory)) from error
+                    raise StorageFullError(self.directory, length, _free_bytes(self.directory)) from error
                 raise StorageError(f"writing key {key!r} to {self.path!r} failed: {error}") from error
             checksum = combine_crcs(handle.crcs) if self._checksum else None
             with self._lock:
