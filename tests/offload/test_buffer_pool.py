@@ -150,22 +150,3 @@ def test_pinned_pools_drop_and_map_rather_than_reshape():
     pool.release(pool.acquire(4 * PAGE))
     pool.acquire(2 * PAGE)
     assert (pool.allocations, pool.recycled) == (2, 0)
-
-
-def test_cached_buffers_a_pool_gives_up_for_room_go_to_its_siblings_cache():
-    host, dev = HostBufferPool(4 * PAGE), HostBufferPool(8 * PAGE, name="DEVICE")
-    moving = dev.acquire(2 * PAGE)
-    spare = host.acquire(4 * PAGE)
-    host.release(spare)  # HOST is now full of cache
-    host.sibling, dev.sibling = dev, host
-    assert host.try_adopt(moving)  # a tier move: HOST must give up `spare` to make room...
-    dev.detach(moving)
-    assert (host.in_use, host.cached) == (2 * PAGE, 0)
-    assert dev.cached == 4 * PAGE, "...and DEVICE, with room, keeps it mapped"
-    assert dev.acquire(4 * PAGE) is spare and dev.allocations == 1
-    lone, full = HostBufferPool(4 * PAGE), HostBufferPool(PAGE, name="DEVICE")
-    full.acquire(PAGE)
-    lone.sibling = full  # a sibling without room: the buffer given up is unmapped
-    lone.release(lone.acquire(2 * PAGE))
-    assert lone.try_adopt(HostBufferPool(4 * PAGE).acquire(4 * PAGE))
-    assert (full.in_use, full.cached, lone.in_use, lone.cached) == (PAGE, 0, 4 * PAGE, 0)
