@@ -27,19 +27,10 @@ def aligned_array(nbytes: int) -> np.ndarray:
     It comes from anonymous mmap: pages are touched lazily, and the mapping returns to the OS when
     the last array viewing it is gone (glibc's heap never holds it).
     """
-    return array_over(anonymous_map(nbytes))
-
-
-def anonymous_map(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping of `nbytes` rounded up to a page (`mmap.resize` can reshape it)."""
     # Private, not mmap's default MAP_SHARED: a shared anonymous mapping is shmem, which takes no
     # huge pages unless the machine's shmem_enabled says so (it is "never" by default).
-    return mmap.mmap(-1, round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def array_over(mapping: mmap.mmap) -> np.ndarray:
-    """A uint8 array viewing the whole of `mapping` (keeping it alive), with huge pages asked for."""
-    arr = np.frombuffer(mapping, dtype=np.uint8)
+    m = mmap.mmap(-1, round_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(m, dtype=np.uint8)  # keeps the mapping alive
     assert arr.ctypes.data % PAGE == 0
     advise_huge_pages(arr.ctypes.data, arr.nbytes)
     return arr

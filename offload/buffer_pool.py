@@ -4,15 +4,6 @@
 out (or adopted from another pool); `cached` counts freed buffers kept for reuse, which are real
 memory too. A request that does not fit first drops cached buffers of other sizes, then (in
 `acquire`) waits for a release until its deadline.
-
-[Note: recycled pages] A request of a size nothing cached has reshapes a cached buffer of another
-size (`HostBuffer.resize`, mremap) rather than dropping it and mapping new memory: a new mapping
-costs a page fault and a zero-fill per page, every time. The store's buffers come in several sizes
-(parameter shards, optimizer chunks, gradients) and on a CPU-only machine also change hands
-between its DEVICE and HOST pools; a pool with nothing cached takes a buffer from its `sibling`'s
-cache. Measured on the reference GPT (256 MiB budgets): memory mapped anew per step fell from 1.6
-to 1.1 GB with clipping and from 0.9 to 0.8 GB without. What remains is mostly growth after a
-shrink gave a tail back. Pinned (CUDA) buffers are never reshaped: re-pinning costs more than it saves.
 """
 
 from __future__ import annotations
@@ -39,10 +30,6 @@ class HostBufferPool:
         self.cached = 0
         self.peak = 0
         self.allocations = 0  # fresh mmaps, to show that reuse works
-        self.recycled = 0  # buffers of another size whose pages were reshaped for a request (mremap)
-        # The other CPU pool of the same store (CPU-only DEVICE and HOST): its cached buffers are
-        # recycled before new memory is mapped. See [Note: recycled pages].
-        self.sibling: HostBufferPool | None = None
         self._free: OrderedDict[int, list[HostBuffer]] = OrderedDict()  # capacity -> buffers, LRU first
         self._cond = threading.Condition()
 
@@ -53,29 +40,17 @@ class HostBufferPool:
         with self._cond:
             same = self._free.get(capacity)
             if same:
+                buf = same.pop()
+                if not same:
+                    del self._free[capacity]
                 self.cached -= capacity
                 self._charge(capacity)
-                return self._pop(capacity)
-            if self.in_use + capacity > self.budget:
+                return buf
+            if not self._make_room(capacity):
                 return None
-            spare = None if self.pin else self._take_cached(capacity)
-            self._make_room(capacity)
             self._charge(capacity)
-        if spare is None and self.sibling is not None:
-            spare = self.sibling.give_cached(capacity)
-        if spare is not None and spare.resize(capacity):
-            self.recycled += 1
-            return spare
-        if spare is not None:
-            spare.free()
         self.allocations += 1
         return HostBuffer(capacity, pin=self.pin)
-
-    def give_cached(self, nbytes: int) -> HostBuffer | None:
-        """Hand a cached buffer (the closest in size to `nbytes`) to another pool, to recycle its
-        pages; None when nothing is cached. This pool's memory shrinks by its capacity."""
-        with self._cond:
-            return None if self.pin else self._take_cached(round_up(max(nbytes, 1)))
 
     def acquire(self, nbytes: int, timeout: float = 30.0) -> HostBuffer:
         """Like `try_acquire`, but waits up to `timeout` seconds for a release."""
@@ -146,24 +121,6 @@ class HostBufferPool:
             return False
         self._drop_cached(self.in_use + self.cached + capacity - self.budget)
         return True
-
-    def _pop(self, capacity: int) -> HostBuffer:
-        bufs = self._free[capacity]
-        buf = bufs.pop()
-        if not bufs:
-            del self._free[capacity]
-        return buf
-
-    def _take_cached(self, capacity: int) -> HostBuffer | None:
-        """Remove from the cache the buffer best reshaped to `capacity`: the smallest that is at
-        least as large (shrinking returns only its tail), else the largest (the fewest new pages)."""
-        if not self._free:
-            return None
-        larger = [c for c in self._free if c >= capacity]
-        chosen = min(larger) if larger else max(self._free)
-        self.cached -= chosen
-        self._cond.notify_all()
-        return self._pop(chosen)
 
     def _drop_cached(self, nbytes: int) -> None:
         while nbytes > 0 and self._free:

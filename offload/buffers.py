@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from offload.aligned import anonymous_map, array_over
+from offload.aligned import aligned_array
 from offload.io_config import round_up
 
 log = logging.getLogger(__name__)
@@ -42,38 +42,12 @@ class Buffer:
 class HostBuffer(Buffer):
     """Page-aligned CPU memory from anonymous mmap; page-locked when `pin` is set."""
 
-    __slots__ = ("array", "pinned", "_mapping")
+    __slots__ = ("array", "pinned")
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
-        self._mapping = anonymous_map(nbytes)
-        self._bind()
-        self.pinned = pin and _register_pinned(self.tensor)
-
-    def _bind(self) -> None:
-        self.array = array_over(self._mapping)
+        self.array = aligned_array(nbytes)
         super().__init__(torch.from_numpy(self.array))  # the same memory, no copy
-
-    def resize(self, nbytes: int) -> bool:
-        """Become `nbytes` (rounded up to a page) long, keeping the pages already in memory.
-
-        mremap moves page tables, not bytes: the kept part costs no page fault and no zero-filling,
-        which a fresh mapping pays on every page. Contents are unspecified afterwards. False, and
-        nothing changed, when the buffer is pinned or a view of it is still alive elsewhere (the
-        mapping cannot move under a live view; Python refuses with BufferError).
-        """
-        capacity = round_up(max(nbytes, 1))
-        if self.pinned:
-            return False
-        if capacity == self.capacity:
-            return True
-        self.array = self.tensor = None  # our own views; any other one makes resize refuse
-        try:
-            self._mapping.resize(capacity)
-            resized = True
-        except (BufferError, OSError, SystemError, ValueError):  # a live view; or no mremap here
-            resized = False
-        self._bind()
-        return resized
+        self.pinned = pin and _register_pinned(self.tensor)
 
     def free(self) -> None:
         """Unpin; the mapping itself goes when the last view of it is dropped."""

@@ -81,8 +81,6 @@ class TieredStore:
         # On a CPU-only machine DEVICE is RAM too: its buffers change hands with HOST's, never copied.
         self._dev = CudaMemory(device_budget, self.device) if on_cuda else HostBufferPool(device_budget, name="DEVICE")
         self._mem = {Tier.HOST: self._host, Tier.DEVICE: self._dev}
-        if not on_cuda:  # both tiers are RAM: either may recycle the other's cached buffers
-            self._host.sibling, self._dev.sibling = self._dev, self._host
         self._zero_copy = not on_cuda
         self._engine = make_engine(self.io)
         try:
@@ -253,16 +251,14 @@ class TieredStore:
             for rec in self._records.values():
                 if rec.tier is not None and rec.tier != Tier.NVME:
                     resident[rec.tier.name.lower()] += rec.nbytes
-            out = {tier.name.lower(): {"budget": mem.budget, "in_use": mem.in_use, "cached": mem.cached,
-                                       "peak": mem.peak, "resident": resident[tier.name.lower()],
-                                       # host memory mapped anew / reshaped from another size (CUDA: 0)
-                                       "new_mappings": getattr(mem, "allocations", 0),
-                                       "recycled": getattr(mem, "recycled", 0)}
-                   for tier, mem in ((Tier.DEVICE, self._dev), (Tier.HOST, self._host))}
-            out.update({
+            out = {
+                "device": {"budget": self._dev.budget, "in_use": self._dev.in_use, "cached": self._dev.cached,
+                           "peak": self._dev.peak, "resident": resident["device"]},
+                "host": {"budget": self._host.budget, "in_use": self._host.in_use, "cached": self._host.cached,
+                         "peak": self._host.peak, "resident": resident["host"]},
                 "nvme": {"bytes": self._swap.used, "file_bytes": self._swap.capacity, "direct": self._swap.direct},
                 "keys": len(self._records),
-            })
+            }
             counts = dict(self._counts)
         out.update(self._engine.counters.snapshot())
         for name in ("fetches", "hits", "misses", "prefetch_issued", "prefetch_hits", "prefetch_late",

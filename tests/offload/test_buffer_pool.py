@@ -1,6 +1,5 @@
 import os
 import re
-import resource
 import threading
 import time
 
@@ -93,60 +92,3 @@ def test_detach_and_adopt_move_accounting_without_copying():
     assert host.in_use == 0 and dev.in_use == PAGE and int(buf.tensor[0]) == 7
     other = host.acquire(PAGE)
     assert not dev.try_adopt(other), "adopt must respect the budget"
-
-
-def _thread_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-
-
-@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="Linux only: counts this thread's page faults")
-def test_a_new_size_reshapes_a_cached_buffer_whose_pages_cost_no_fault():
-    pool = HostBufferPool(16 << 20)
-    buf = pool.acquire(8 << 20)
-    buf.tensor.fill_(1)  # in memory now
-    pool.release(buf)
-    small = pool.acquire(4 << 20)
-    assert small is buf and small.capacity == 4 << 20
-    assert (pool.allocations, pool.recycled, pool.in_use, pool.cached) == (1, 1, 4 << 20, 0)
-    before = _thread_faults()
-    small.tensor.fill_(2)
-    assert _thread_faults() == before, "the kept pages were faulted in again"
-    fresh = HostBufferPool(16 << 20).acquire(4 << 20)
-    before = _thread_faults()
-    fresh.tensor.fill_(2)
-    assert _thread_faults() > before, "a new mapping should fault: the check above proves nothing"
-    pool.release(small)
-    grown = pool.acquire(12 << 20)  # grows: the old pages move along, the rest is new
-    assert grown is buf and grown.capacity == 12 << 20 and pool.allocations == 1
-    grown.tensor.fill_(3)
-    assert int(grown.tensor[0]) == 3 and int(grown.tensor[-1]) == 3
-
-
-def test_a_cached_buffer_still_viewed_elsewhere_is_never_reshaped():
-    pool = HostBufferPool(8 * PAGE)
-    buf = pool.acquire(4 * PAGE)
-    view = buf.tensor[:PAGE]
-    view.fill_(5)
-    pool.release(buf)  # a caller's bug, say, keeps `view`: its memory must stay valid
-    other = pool.acquire(2 * PAGE)
-    assert other is not buf and (pool.allocations, pool.recycled) == (2, 0)
-    assert int(view[0]) == 5 and int(view[-1]) == 5
-    assert pool.in_use == 2 * PAGE and pool.cached == 0
-
-
-def test_a_pool_recycles_its_siblings_cached_buffers_within_both_budgets():
-    host, dev = HostBufferPool(4 * PAGE), HostBufferPool(4 * PAGE, name="DEVICE")
-    host.sibling, dev.sibling = dev, host
-    dev.release(dev.acquire(3 * PAGE))
-    got = host.acquire(2 * PAGE)
-    assert (host.allocations, host.recycled, host.in_use) == (0, 1, 2 * PAGE)
-    assert dev.cached == 0 and dev.in_use == 0
-    assert HostBufferPool(4 * PAGE, pin=True).give_cached(PAGE) is None
-    assert got.capacity == 2 * PAGE
-
-
-def test_pinned_pools_drop_and_map_rather_than_reshape():
-    pool = HostBufferPool(8 * PAGE, pin=True)  # (on a machine without CUDA nothing is really pinned)
-    pool.release(pool.acquire(4 * PAGE))
-    pool.acquire(2 * PAGE)
-    assert (pool.allocations, pool.recycled) == (2, 0)
