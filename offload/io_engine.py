@@ -219,6 +219,6 @@ class ThreadIOEngine:
                 self.counters.end(len(view), write)
                 self._slots.release()
             handle.block_done(index, crc, error)
-            # Hold no view of the buffer while idle: a freed buffer still viewed cannot be recycled
-            # (see HostBuffer.resize).
+            # Hold no view of the buffer while idle: a buffer the pool drops is then unmapped at
+            # once, not when this worker's next block comes, so RSS stays within the budgets.
             del item, handle, view
