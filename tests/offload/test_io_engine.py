@@ -3,17 +3,21 @@ import logging
 import os
 import sys
 import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 from offload import Tier, io_engine
+from offload.aligned import aligned_array
 from offload.backends import make_engine
 from offload.buffers import HostBuffer
 from offload.checksum import CHECKSUM_NAME, block_checksum
 from offload.io_config import IOConfig
 from offload.io_engine import ShortIOError, open_io_file
+from offload.swap_file import SwapFile
 
 BACKENDS = ["threads", "aiofiles"]
 
@@ -131,3 +135,24 @@ def test_background_threads_run_below_the_callers_priority(make_store, backend):
 def test_nice_outside_0_to_19_is_refused():
     with pytest.raises(ValueError, match="io.nice=20"):
         IOConfig(nice=20)
+
+
+def test_a_finished_request_keeps_no_reference_to_its_buffer(engine, tmp_path):
+    # A buffer the pool drops must be unmapped then, not whenever a worker takes its next block:
+    # neither the workers nor a completed handle (which the caller may keep) hold a view of it.
+    swap = SwapFile(str(tmp_path / "nvme"), 0, engine)
+    try:
+        for op in ("write", "read"):
+            buf = aligned_array(3 << 20)
+            gone = weakref.ref(buf)
+            handle = (swap.write("k", buf, len(buf), torch.uint8, (len(buf),)) if op == "write"
+                      else swap.read("k", buf))
+            handle.wait()
+            del buf
+            deadline = time.monotonic() + 5  # the worker drops its block just after completing it
+            while gone() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert gone() is None, f"a finished {op} still holds its buffer"
+            assert handle.done()
+    finally:
+        swap.close(remove=True)
