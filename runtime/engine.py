@@ -36,7 +36,7 @@ from torch import nn
 from offload import Tier, TieredStore
 from offload.background import background_pool
 from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.collectives import Group, all_reduce_sum, init_group, reduce_scatter
+from runtime.collectives import Group, all_reduce_sum, init_group
 from runtime.config import Config
 from runtime.flat_unit import FlatUnit, Layout, UnitState
 from runtime.hooks import register_grad_hook, register_unit_hooks
@@ -263,46 +263,43 @@ class Engine:
         unit.unshard()
         self._note_gathered()
 
-    def unit_grad_ready(self, unit: FlatUnit) -> None:
-        """The unit's flat gradient is complete: reduce to this rank's fp32 shard and accumulate."""
-        grad = unit.flat.grad
-        unit.flat.grad = None
+    def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None:
+        """Backward is done with the unit (`grads`: its parameters' gradients): reduce them to this
+        rank's fp32 shard and accumulate it; see runtime/flat_unit.py [Note: unit gradients]."""
         world, accum = self.group.world, self.config.grad_accumulation
+        first = unit.index not in self._have_grad
+        last = self._micro + 1 == accum
+        # One micro-step whose update starts now, where the gradient already is: the update takes
+        # it as it stands, with no copy into the store and no wait for room there.
+        hand_over = first and last and self._overlapped() and unit.device == self._work_device
         with torch.no_grad():
-            full = grad if grad.dtype == torch.float32 else grad.float()
-            shard = reduce_scatter(full, self.group)
-            factor = 1.0 / (world * accum * self.scaler.scale)
-            if factor != 1.0:  # one rank, no accumulation, no loss scale: a pass over the gradient saved
-                shard.mul_(factor)
-            first = unit.index not in self._have_grad
+            pieces = unit.gradient_pieces(grads, 1.0 / (world * accum * self.scaler.scale), keep=hand_over)
+            del grads
             self._have_grad.add(unit.index)
-            last = self._micro + 1 == accum
-            # One micro-step whose update starts now, where the shard already is: the update takes
-            # the shard itself, with no copy into the store and no wait for room there.
-            hand_over = first and last and self._overlapped() and shard.device == self._work_device
             sqnorm = 0.0
-            for c in unit.chunks:
-                piece = shard[c.start : c.end]
-                if hand_over:
-                    acc = piece
-                elif first:
-                    self.store.put(c.grad_key, piece, self.place.work_tier)
-                    acc = piece
-                else:
+            for c, parts in zip(unit.chunks, pieces, strict=True):
+                if first and not hand_over:
+                    staged = self.store.stage(c.grad_key, (c.numel,), torch.float32, self.place.work_tier)
+                    try:
+                        torch.cat(parts, out=staged.tensor)
+                    except BaseException as e:
+                        staged.abort(e)
+                        raise
+                    staged.commit()
+                elif not first:
                     acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
-                    acc.add_(piece)
-                if last:
-                    sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
-                if not first and not hand_over:
+                    torch._foreach_add_(list(acc.split([p.numel() for p in parts])), parts)
+                    if last:
+                        sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
                     self.store.release(c.grad_key, dirty=True)
+                if last and first:
+                    sqnorm += sum(float(n) ** 2 for n in torch._foreach_norm(parts))
             if last:
                 self._sqnorm[unit.index] = sqnorm
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
-        handed = None
-        if hand_over:  # gloo's shard is a view of the whole reduced gradient: keep only the shard alive
-            handed = shard.clone() if shard.untyped_storage().nbytes() > shard.nbytes else shard
-        del grad, full, shard
+        handed = pieces if hand_over else None
+        del pieces
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
         if last and self._overlapped():
@@ -359,7 +356,8 @@ class Engine:
         """Updates may run during backward: nothing needs every gradient first."""
         return self.config.grad_clip is None and not self.scaler.enabled
 
-    def _update(self, unit: FlatUnit, lr: float, coef: float, then: list, grad: torch.Tensor | None) -> None:
+    def _update(self, unit: FlatUnit, lr: float, coef: float, then: list,
+                grad: list[list[torch.Tensor]] | None) -> None:
         """One unit's update on the optimizer thread, while backward goes on; the states of `then`
         (the next unit's chunks, expected from the last step's order) are prefetched as it ends."""
         t0 = time.perf_counter()
@@ -402,11 +400,11 @@ class Engine:
         self._optimizer_thread.submit(run)
 
     def _stream_updates(self, order: list, lr: float, coef: float, then: Sequence = (),
-                        finished: dict | None = None, grad: torch.Tensor | None = None) -> None:
+                        finished: dict | None = None, grad: list[list[torch.Tensor]] | None = None) -> None:
         """Chunk by chunk, with the next `prefetch_depth` chunks' states on their way to the work tier
         (past the end of `order`, the optimizer states of the chunks in `then`). Each unit's step
         count advances as its last chunk is done, and then its future in `finished` (if given) completes.
-        `grad`: one unit's gradient shard handed over in memory (its chunks read no grad keys)."""
+        `grad`: one unit's gradient handed over in memory, per chunk (its chunks read no grad keys)."""
         depth = max(1, self.config.prefetch_depth)
         streaming = self.place.opt_tier != self.place.work_tier
         with ParamWriter(self.store, self.place) as params:
@@ -419,7 +417,7 @@ class Engine:
                     keys += [c.opt_key for c in then[: max(0, i + 1 + depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, lr=lr, grad_scale=coef,
-                              grads=None if grad is None else [grad[chunk.start : chunk.end]])
+                              grads=None if grad is None else [grad[chunk.index]])
                 if chunk is chunk.unit.chunks[-1]:
                     chunk.unit.opt_steps += 1
                     if finished is not None:

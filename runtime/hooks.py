@@ -2,7 +2,8 @@
 
 - forward pre-hook of a unit's module: gather the unit, point its parameters at the full buffer;
 - forward hook: release the unit (ZeRO-3) and arm a pre-backward hook on its outputs;
-- post-accumulate-grad hook of the unit's flat buffer: its gradient is complete, reduce it.
+- the unit's gradient callback (`FlatUnit.on_gradient`, called from its views' backward): its
+  parameters' gradients are complete, reduce them.
 The root unit (everything outside the repeated blocks) is gathered in the root's forward pre-hook
 and released only when its own gradient is complete.
 """
@@ -44,6 +45,17 @@ def register_unit_hooks(engine: Engine, unit: FlatUnit, *, is_root: bool) -> lis
     return handles
 
 
-def register_grad_hook(engine: Engine, unit: FlatUnit):
-    """The unit's gradient is complete once autograd has accumulated into its flat leaf."""
-    return unit.flat.register_post_accumulate_grad_hook(lambda _flat: engine.unit_grad_ready(unit))
+def register_grad_hook(engine: Engine, unit: FlatUnit) -> _GradientCallback:
+    """The unit's gradient is complete once autograd has run its views' backward."""
+    return _GradientCallback(unit, lambda grads: engine.unit_grad_ready(unit, grads))
+
+
+class _GradientCallback:
+    """Sets `unit.on_gradient` until `remove()`, like the handles torch's hooks return."""
+
+    def __init__(self, unit: FlatUnit, callback) -> None:
+        self.unit = unit
+        unit.on_gradient = callback
+
+    def remove(self) -> None:
+        self.unit.on_gradient = None

@@ -61,7 +61,7 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
 
 
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter, *,
-                  lr: float, grad_scale: float, grads: list[torch.Tensor] | None = None) -> None:
+                  lr: float, grad_scale: float, grads: list[list[torch.Tensor]] | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -69,31 +69,36 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     `params` lends the masters that are parameter shards and takes the others' new values.
-    `grads`: the chunks' gradients handed over in memory; without them they are read from the store
-    (and dropped from it after the update).
+    `grads`: the chunks' gradients handed over in memory, each chunk's as flat pieces covering it in
+    order (`FlatUnit.gradient_pieces`; read only); without them they are read from the store (and
+    dropped from it after the update).
     """
     stored = grads is None
+    assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
     states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
     if stored:
-        grads = [store.fetch(c.grad_key, place.work_tier).result() for c in chunks]
+        grads = [[store.fetch(c.grad_key, place.work_tier).result()] for c in chunks]
     try:
-        masters, exp_avgs, exp_avg_sqs = [], [], []
-        for c, st in zip(chunks, states, strict=True):
+        masters, flat_masters, flat_grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
+        for c, st, parts in zip(chunks, states, grads, strict=True):
             if c.unit.master_is_param:
-                masters.append(params.master(c))
+                master = params.master(c)
                 m, v = st.chunk(2)
             else:
                 master, m, v = st.chunk(3)
-                masters.append(master)
-            exp_avgs.append(m)
-            exp_avg_sqs.append(v)
+            masters.append(master)
+            # The states are cut where the gradient's pieces are: one fused call takes them all.
+            sizes = [p.numel() for p in parts]
+            for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs)):
+                out.extend(t.split(sizes) if len(parts) > 1 else [t])
+            flat_grads.extend(parts)
+            # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no
+            # gradient in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
+            step = torch.tensor(float(c.unit.opt_steps + 1), dtype=torch.float32, device=st.device)
+            steps.extend([step] * len(parts))
         if grad_scale != 1.0:
-            torch._foreach_mul_(grads, grad_scale)
-        # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no gradient
-        # in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
-        steps = [torch.tensor(float(c.unit.opt_steps + 1), dtype=torch.float32, device=states[0].device)
-                 for c in chunks]
-        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
+            torch._foreach_mul_(flat_grads, grad_scale)
+        torch._fused_adamw_(flat_masters, flat_grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
                             beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
                             amsgrad=False, maximize=False)
         for c, master in zip(chunks, masters, strict=True):

@@ -7,9 +7,11 @@ import pytest
 import torch
 from helpers import HP, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
+from torch import nn
 
 import runtime
 from offload import Tier
+from runtime.flat_unit import FlatUnit
 from runtime.memory_plan import device_window
 
 OFFLOADS = ["none", "cpu", "nvme"]
@@ -313,3 +315,78 @@ def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp
         engine.close()
     # The default budget writes every updated state back each step; a roomy one writes nothing once warm.
     assert written[False] >= 4 * plan.optimizer_states and written[True] == 0, written
+
+
+class SumOfTwo(nn.Module):
+    """Two weights read only as their sum: autograd hands both of them the very same gradient tensor."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(d, d) * 0.1)
+        self.b = nn.Parameter(torch.randn(d, d) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x @ (self.a + self.b))
+
+
+class AliasedGradients(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(SumOfTwo(d) for _ in range(3))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("clip, accum", [(None, 1), (1.0, 1), (None, 2)])
+def test_gradients_shared_by_two_parameters_are_read_never_written(tmp_path, clip, accum):
+    """The engine takes the parameters' own gradient tensors, which may alias (here a and b share
+    one): scaling or accumulating them in place would change both parameters' updates."""
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip, grad_accumulation=accum, sub_group_size=1500)
+    ours_model, ref_model = twins(AliasedGradients)
+    data = batches(8 * accum)
+    ours, engine = train_engine(ours_model, cfg, data, accum=accum)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip, accum=accum))
+    for name, p in ref_model.state_dict().items():
+        torch.testing.assert_close(engine.full_state_dict()[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    engine.close()
+
+
+def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_path):
+    """One rank, fp32, one micro-step: the update reads each parameter's gradient where autograd
+    left it; no flat gradient is assembled (runtime/flat_unit.py [Note: unit gradients])."""
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=None)
+    ours_model, ref_model = twins(TinyGPT)
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    shared = []
+    real = FlatUnit.gradient_pieces
+
+    def spy(self, grads, factor, *, keep):
+        pieces = real(self, grads, factor, keep=keep)
+        owners = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+        for chunk, parts in zip(self.chunks, pieces, strict=True):
+            start = chunk.start
+            for piece in parts:
+                if start < self.layout.numel:  # the padding after the parameters is zeros of its own
+                    shared.append(piece.untyped_storage().data_ptr() in owners)
+                start += piece.numel()
+            assert start == chunk.end
+        return pieces
+
+    FlatUnit.gradient_pieces = spy
+    try:
+        data = batches(4)
+        ours, _ = train_engine(ours_model, cfg, data, engine=engine)
+    finally:
+        FlatUnit.gradient_pieces = real
+    assert_losses_match(ours, train_plain(ref_model, data))
+    assert shared and all(shared), shared
+    engine.close()
