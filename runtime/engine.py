@@ -38,7 +38,7 @@ from offload.background import background_pool
 from runtime.checkpoint import load_checkpoint, save_checkpoint
 from runtime.collectives import Group, all_reduce_sum, init_group
 from runtime.config import Config
-from runtime.flat_unit import FlatUnit, Layout, UnitState
+from runtime.flat_unit import Chunk, FlatUnit, Layout, UnitState
 from runtime.hooks import register_grad_hook, register_unit_hooks
 from runtime.host_heap import pin_mmap_threshold
 from runtime.loss_scale import LossScaler
@@ -279,15 +279,10 @@ class Engine:
             sqnorm = 0.0
             for c, parts in zip(unit.chunks, pieces, strict=True):
                 if first and not hand_over:
-                    staged = self.store.stage(c.grad_key, (c.numel,), torch.float32, self.place.work_tier)
-                    try:
-                        torch.cat(parts, out=staged.tensor)
-                    except BaseException as e:
-                        staged.abort(e)
-                        raise
-                    staged.commit()
+                    self._put_gradient(c, parts)
                 elif not first:
                     acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
+                    parts = [p.to(acc.device) for p in parts]  # from a GPU to a HOST work tier
                     torch._foreach_add_(list(acc.split([p.numel() for p in parts])), parts)
                     if last:
                         sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
@@ -315,6 +310,21 @@ class Engine:
                 self._handed_over.append(future)
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _put_gradient(self, chunk: Chunk, parts: list[torch.Tensor]) -> None:
+        """A chunk's first gradient into the store's work tier: its pieces concatenated straight into
+        the store's buffer where they share its device, else through `put`'s copy."""
+        tier = self.place.work_tier
+        if len(parts) == 1 or parts[0].device != self._work_device:
+            self.store.put(chunk.grad_key, parts[0] if len(parts) == 1 else torch.cat(parts), tier)
+            return
+        staged = self.store.stage(chunk.grad_key, (chunk.numel,), torch.float32, tier)
+        try:
+            torch.cat(parts, out=staged.tensor)
+        except BaseException as e:
+            staged.abort(e)
+            raise
+        staged.commit()
 
     def _gathered_bytes(self) -> int:
         return sum(u.flat.untyped_storage().nbytes() for u in self.units  # borrowed ones are in the store
