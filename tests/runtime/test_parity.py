@@ -359,7 +359,7 @@ def test_gradients_shared_by_two_parameters_are_read_never_written(tmp_path, cli
     engine.close()
 
 
-def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_path):
+def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_path, monkeypatch):
     """One rank, fp32, one micro-step: the update reads each parameter's gradient where autograd
     left it; no flat gradient is assembled (runtime/flat_unit.py [Note: unit gradients])."""
     cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
@@ -381,12 +381,9 @@ def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_
             assert start == chunk.end
         return pieces
 
-    FlatUnit.gradient_pieces = spy
-    try:
-        data = batches(4)
-        ours, _ = train_engine(ours_model, cfg, data, engine=engine)
-    finally:
-        FlatUnit.gradient_pieces = real
+    monkeypatch.setattr(FlatUnit, "gradient_pieces", spy)
+    data = batches(4)
+    ours, _ = train_engine(ours_model, cfg, data, engine=engine)
     assert_losses_match(ours, train_plain(ref_model, data))
     assert shared and all(shared), shared
     engine.close()
