@@ -338,7 +338,8 @@ class Engine:
         closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST
         (`runtime.memory_plan.device_window`; DESIGN.md's two levels)."""
         # A unit still being updated is skipped: its update brings its shard into memory itself.
-        keys = [self.units[i].param_key for i in unit_indices if i not in self._pending
+        # (A finished update stays in `_pending` until the unit is next gathered: not skipped.)
+        keys = [self.units[i].param_key for i in unit_indices if not self._updating(i)
                 and not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
         if keys:
             self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
@@ -440,6 +441,10 @@ class Engine:
         if chunk.index != 0 or not unit.master_is_param or unit.aliased:
             return ()
         return (unit.param_key,) if self.store.ram_tier_of(unit.param_key) is None else ()
+
+    def _updating(self, index: int) -> bool:
+        future = self._pending.get(index)
+        return future is not None and not future.done()
 
     def _wait_update(self, unit: FlatUnit) -> None:
         """Before a unit is gathered again: its update, if one is still running, has finished."""

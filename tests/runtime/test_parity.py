@@ -1,5 +1,6 @@
 """fp32, one rank: the engine trains exactly like plain PyTorch with torch.optim.AdamW."""
 
+import concurrent.futures
 import copy
 import itertools
 
@@ -386,4 +387,40 @@ def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_
     ours, _ = train_engine(ours_model, cfg, data, engine=engine)
     assert_losses_match(ours, train_plain(ref_model, data))
     assert shared and all(shared), shared
+    engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_every_forward_prefetches_the_units_ahead_once_their_updates_are_done(tmp_path, clip):
+    # A finished update stays in the engine's pending table until its unit is gathered again; the
+    # forward's prefetch must not take that for an update still running (it once skipped every unit).
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip, prefetch_depth=2)
+    ours_model, ref_model = twins(lambda: TinyGPT(layers=4))
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    in_forward, asked = [False], []  # param keys the engine asked the store to prefetch, per forward
+    real = engine.store.prefetch
+
+    def spy(keys, tier=Tier.DEVICE):
+        keys = list(keys)
+        if in_forward[0]:
+            asked[-1].update(k for k in keys if k.endswith(".param"))
+        real(keys, tier)
+
+    engine.store.prefetch = spy
+    data, losses = batches(4), []
+    for x, y in data:
+        concurrent.futures.wait(list(engine._pending.values()))  # done, and left in the table
+        asked.append(set())
+        in_forward[0] = True
+        loss = engine(x, y)
+        in_forward[0] = False
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    first = engine.trace.recorded["forward"][0]
+    ahead = {u.param_key for u in engine.units if u.index != first and not u.resident}
+    assert len(ahead) >= 4 and asked[0] == set()  # the first step records the order
+    assert asked[1:] == [ahead] * 3
+    assert_losses_match(losses, train_plain(ref_model, data, clip=clip))
     engine.close()
