@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import NoReturn
 from concurrent.futures import Future
 
 import torch
@@ -97,6 +98,7 @@ class TieredStore:
         self._clock = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._freeing = {Tier.HOST: 0, Tier.DEVICE: 0}  # bytes of write-backs in flight, per tier
+        self._demand_waiting = {Tier.HOST: 0, Tier.DEVICE: 0}  # requests someone waits for, waiting for room
         self._writes: set[Handle] = set()  # put and write-back handles flush() has not seen yet
         self._prefetch = PrefetchQueue(prefetch_bytes if prefetch_bytes is not None
                                        else max(host_budget, device_budget) // 2)
@@ -559,43 +561,69 @@ class TieredStore:
     def _reserve(self, tier: Tier, nbytes: int, rec: KeyRecord, move: Move | None = None, attempt=None) -> Buffer:
         """Room for `nbytes` in `tier`: evict released keys, then wait (bounded) for room to appear.
 
-        A prefetch nobody waits for gives up at once rather than wait; see _PrefetchDropped.
+        A prefetch nobody waits for waits only for room already on its way out (write-backs in
+        flight), and never while a request someone does wait for is waiting for room in the same
+        tier: it would take that room first. Otherwise it gives up at once; see _PrefetchDropped.
         """
         mem = self._mem[tier]
         attempt = attempt or (lambda: mem.try_acquire(nbytes))
         deadline = time.monotonic() + self.wait_timeout
+        waiting = False  # counted in _demand_waiting
         with self._cond:
             errors_before = self._last_writeback_error
-            while True:
-                buf = attempt()
-                if buf is not None:
-                    return buf
-                if self._evict_for(tier, nbytes, exclude=rec):
-                    continue
-                if move is not None and move.by_prefetch and rec.pins == 0 and rec.move is move:
-                    rec.move = None
-                    rec.to(move.source)
-                    self._cond.notify_all()
-                    raise _PrefetchDropped(f"no room in {tier.name} to prefetch {rec.key!r}")
-                error = self._last_writeback_error
-                if error is not None and error is not errors_before:
-                    raise error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    pinned = sum(r.nbytes for r in self._records.values() if r.pins and r.tier == tier)
-                    raise OutOfBudgetError(tier.name, nbytes, mem.budget,
-                                           f"Waited {self.wait_timeout:.0f} s for {rec.key!r}; "
-                                           f"{pinned:,} bytes stay pinned in {tier.name}.")
-                self._cond.wait(min(left, 0.05))
+            try:
+                while True:
+                    unwanted = move is not None and move.by_prefetch and rec.pins == 0 and rec.move is move
+                    if unwanted and self._demand_waiting[tier]:
+                        self._drop_prefetch(rec, move, tier)
+                    buf = attempt()
+                    if buf is not None:
+                        return buf
+                    if self._evict_for(tier, nbytes, exclude=rec, for_prefetch=unwanted):
+                        continue
+                    if unwanted and not self._room_on_its_way(tier, nbytes):
+                        self._drop_prefetch(rec, move, tier)
+                    error = self._last_writeback_error
+                    if error is not None and error is not errors_before:
+                        raise error
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        pinned = sum(r.nbytes for r in self._records.values() if r.pins and r.tier == tier)
+                        raise OutOfBudgetError(tier.name, nbytes, mem.budget,
+                                               f"Waited {self.wait_timeout:.0f} s for {rec.key!r}; "
+                                               f"{pinned:,} bytes stay pinned in {tier.name}.")
+                    if not unwanted and not waiting:
+                        self._demand_waiting[tier] += 1
+                        waiting = True
+                    self._cond.wait(min(left, 0.05))
+            finally:
+                if waiting:
+                    self._demand_waiting[tier] -= 1
 
-    def _evict_for(self, tier: Tier, nbytes: int, exclude: KeyRecord) -> bool:
-        """Start evicting the least recently used released key of `tier`; False if none can help."""
-        if self._mem[tier].available() + self._freeing[tier] >= round_up(max(nbytes, 1)):
+    def _drop_prefetch(self, rec: KeyRecord, move: Move, tier: Tier) -> NoReturn:
+        """Give a prefetch up: the key goes back to where it was, and the mover thread is told why."""
+        rec.move = None
+        rec.to(move.source)
+        self._cond.notify_all()
+        raise _PrefetchDropped(f"no room in {tier.name} to prefetch {rec.key!r}")
+
+    def _room_on_its_way(self, tier: Tier, nbytes: int) -> bool:
+        """Free room plus write-backs in flight in `tier` cover `nbytes`: waiting will find it."""
+        return self._mem[tier].available() + self._freeing[tier] >= round_up(max(nbytes, 1))
+
+    def _evict_for(self, tier: Tier, nbytes: int, exclude: KeyRecord, *, for_prefetch: bool = False) -> bool:
+        """Start evicting the least recently used released key of `tier`; False if none can help.
+
+        Keys prefetched and not yet used go last, and never to make room for another prefetch:
+        prefetches are issued in the order they will be used, so the older one is wanted sooner
+        (evicting it read every optimizer chunk twice, once ahead and once on demand).
+        """
+        if self._room_on_its_way(tier, nbytes):
             return False  # enough is already on its way out
         state = STABLE[tier]
-        victims = [r for r in self._records.values()
-                   if r.state == state and r.pins == 0 and r.move is None and r is not exclude]
-        for victim in sorted(victims, key=lambda r: r.last_use):
+        victims = [r for r in self._records.values() if r.state == state and r.pins == 0 and r.move is None
+                   and r is not exclude and not (for_prefetch and r.prefetched)]
+        for victim in sorted(victims, key=lambda r: (r.prefetched, r.last_use)):
             if self._evict_record(victim, demote=True) is not None:
                 return True
         return False

@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from offload import Tier
+from offload import Tier, io_engine
 
 
 def wait_until(cond, timeout=5.0):
@@ -93,3 +93,89 @@ def test_a_device_prefetch_waits_for_the_host_prefetch_of_the_same_key(make_stor
     assert s["bytes_read"] <= 8_003_584 + 4096, "read once, then moved up"
     assert s["misses"] == 0 and s["prefetch_issued"] == 3
     store.release("big")
+
+
+def test_a_prefetch_never_evicts_an_earlier_prefetch_not_yet_used(make_store):
+    # Prefetches are asked for in the order of use: evicting an earlier one to land a later one
+    # would only read the earlier one twice.
+    store = make_store(host_budget=192 << 10)  # two of these keys (80 KiB each, page-rounded)
+    data = {k: torch.full((20_000,), float(i)) for i, k in enumerate("abc")}
+    for k, t in data.items():
+        store.put(k, t, Tier.NVME)
+    store.flush()
+    store.prefetch(["a", "b"], Tier.HOST)
+    wait_until(lambda: store.stats()["host"]["resident"] == 2 * 80_000)
+    store.prefetch(["c"], Tier.HOST)
+    wait_until(lambda: store.stats()["prefetch_dropped"] == 1)
+    for k in "ab":
+        assert torch.equal(store.fetch(k, Tier.HOST).result(), data[k])
+        store.release(k)
+    s = store.stats()
+    assert s["misses"] == 0 and s["prefetch_hits"] == 2 and s["bytes_read"] == 2 * 81_920
+    assert torch.equal(store.fetch("c", Tier.HOST).result(), data["c"])  # a fetch may evict them
+    store.release("c")
+
+
+def test_a_prefetch_waits_for_room_a_write_back_is_freeing(make_store, monkeypatch):
+    store = make_store(host_budget=192 << 10)
+    store.put("c", torch.full((20_000,), 3.0), Tier.NVME).wait()
+    for k in "ab":
+        store.put(k, torch.full((20_000,), 1.0), Tier.HOST)  # dirty: leaving HOST means a write
+    gate, writing = threading.Event(), threading.Event()
+    real_write = io_engine._pwrite_full
+
+    def held_write(fd, view, offset):
+        writing.set()
+        assert gate.wait(10)
+        real_write(fd, view, offset)
+
+    monkeypatch.setattr(io_engine, "_pwrite_full", held_write)
+    evicted = store.evict("a", Tier.NVME)
+    try:
+        assert writing.wait(10)
+        store.prefetch(["c"], Tier.HOST)  # no room until "a" is written: wait for it, don't drop
+        time.sleep(0.2)
+        assert store.stats()["prefetch_dropped"] == 0
+    finally:
+        gate.set()
+    evicted.wait()
+    wait_until(lambda: store.stats()["host"]["resident"] == 2 * 80_000)
+    assert torch.equal(store.fetch("c", Tier.HOST).result(), torch.full((20_000,), 3.0))
+    s = store.stats()
+    assert s["prefetch_hits"] == 1 and s["prefetch_dropped"] == 0
+    store.release("c")
+
+
+def test_a_prefetch_never_takes_room_a_waiting_fetch_needs(make_store, monkeypatch):
+    # Small prefetches landing one after another would otherwise keep a large fetch waiting for as
+    # long as they come (the forward once waited 1.1 s for its embedding this way).
+    store = make_store(host_budget=4 * 81_920)
+    store.put("big", torch.full((40_000,), 5.0), Tier.NVME)
+    store.put("small", torch.full((20_000,), 6.0), Tier.NVME)
+    store.flush()
+    for k in ("p", "q", "dirty"):
+        store.put(k, torch.full((20_000,), 1.0), Tier.HOST)
+    pinned = [store.fetch(k, Tier.HOST).result() for k in ("p", "q")]
+    gate, writing = threading.Event(), threading.Event()
+    real_write = io_engine._pwrite_full
+
+    def held_write(fd, view, offset):
+        writing.set()
+        assert gate.wait(10)
+        real_write(fd, view, offset)
+
+    monkeypatch.setattr(io_engine, "_pwrite_full", held_write)
+    big = store.fetch("big", Tier.HOST)  # one slot free, one on its way out ("dirty" is written)
+    try:
+        assert writing.wait(10)
+        wait_until(lambda: store._demand_waiting[Tier.HOST] == 1)
+        store.prefetch(["small"], Tier.HOST)  # fits in the free slot, but that slot is the fetch's
+        wait_until(lambda: store.stats()["prefetch_dropped"] == 1)
+    finally:
+        gate.set()
+    assert torch.equal(big.result(timeout=10), torch.full((40_000,), 5.0))
+    assert store.stats()["bytes_read"] == 163_840  # only the fetch was read
+    store.release("big")
+    for k in ("p", "q"):
+        store.release(k)
+    del pinned
