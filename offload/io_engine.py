@@ -4,6 +4,15 @@ A request (one buffer, one file range) is split into blocks; at most `queue_dept
 or running at once over `threads` workers. preadv/pwritev and the block checksum release the GIL, so the
 workers run truly in parallel with each other and with the caller.
 
+[Note: reads first] Queued reads are served before queued writes. A read is a fetch someone will
+wait for (compute, or the update pipeline); a write is a write-back nobody waits for until its memory
+is wanted. In FIFO order a unit's parameters, fetched for the next forward, queued behind the
+hundreds of MiB of optimizer states written back at the end of backward. Writes hold at most half
+the `queue_depth` slots, so a read never waits for a slot behind a wall of writes either. With more
+than one worker, one of them takes writes first: a write-back is also what frees the memory a
+waiting fetch needs, and with every worker on reads (a forward's prefetch and the update pipeline
+read without pause) such a fetch waited seconds for it.
+
 Alignment (O_DIRECT): the buffer's address, the file offset and the length must be multiples of
 4096. The store guarantees it (page-aligned `HostBuffer`s, page-aligned extents, padded lengths).
 """
@@ -13,9 +22,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,9 +174,12 @@ class ThreadIOEngine:
         self.config = config
         self.counters = IOCounters()
         self._slots = threading.BoundedSemaphore(config.queue_depth)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._work, name=f"outcore-io-{i}", daemon=True)
-                         for i in range(config.threads)]
+        self._write_slots = threading.BoundedSemaphore(max(1, config.queue_depth // 2))
+        self._queued = {False: deque(), True: deque()}  # write? -> blocks waiting for a worker
+        self._ready = threading.Condition()
+        self._closing = False
+        self._workers = [threading.Thread(target=self._work, args=(0 < i == config.threads - 1,),
+                                          name=f"outcore-io-{i}", daemon=True) for i in range(config.threads)]
         for w in self._workers:
             w.start()
 
@@ -182,8 +194,9 @@ class ThreadIOEngine:
         return self._submit(True, file, offset, array, checksum, finalize)
 
     def close(self) -> None:
-        for _ in self._workers:
-            self._queue.put(None)
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
         for w in self._workers:
             w.join()
 
@@ -194,13 +207,29 @@ class ThreadIOEngine:
         handle = IOHandle(-(-n // bs), n, finalize)
         view = memoryview(array)
         for i, start in enumerate(range(0, n, bs)):
+            if write:
+                self._write_slots.acquire()  # [Note: reads first]
             self._slots.acquire()  # back-pressure: at most queue_depth blocks in flight
-            self._queue.put((handle, i, write, file.fd, offset + start, view[start : start + bs], checksum))
+            with self._ready:
+                self._queued[write].append((handle, i, write, file.fd, offset + start, view[start : start + bs],
+                                            checksum))
+                self._ready.notify()
         return handle
 
-    def _work(self) -> None:
+    def _next_block(self, writes_first: bool) -> tuple | None:
+        """The oldest queued read, else the oldest queued write (the other way round for the
+        worker that takes `writes_first`); None once closed and drained."""
+        with self._ready:
+            while not (self._queued[False] or self._queued[True] or self._closing):
+                self._ready.wait()
+            for kind in ((True, False) if writes_first else (False, True)):
+                if self._queued[kind]:
+                    return self._queued[kind].popleft()
+            return None
+
+    def _work(self, writes_first: bool) -> None:
         lower_priority(self.config.nice)
-        while (item := self._queue.get()) is not None:
+        while (item := self._next_block(writes_first)) is not None:
             handle, index, write, fd, offset, view, checksum = item
             crc, error = 0, None
             self.counters.begin()
@@ -218,6 +247,8 @@ class ThreadIOEngine:
             finally:
                 self.counters.end(len(view), write)
                 self._slots.release()
+                if write:
+                    self._write_slots.release()
             handle.block_done(index, crc, error)
             # Hold no view of the buffer while idle: a buffer the pool drops is then unmapped at
             # once, not when this worker's next block comes, so RSS stays within the budgets.
