@@ -20,8 +20,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import NoReturn
 from concurrent.futures import Future
+from typing import NoReturn
 
 import torch
 
