@@ -1,9 +1,10 @@
 import os
+import threading
 
 import pytest
 import torch
 
-from offload import IOConfig, TieredStore
+from offload import IOConfig, TieredStore, io_engine
 
 SMALL_IO = IOConfig(block_size=64 << 10, queue_depth=8, threads=2)
 
@@ -33,3 +34,37 @@ def make_store(tmp_path):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class HeldWrites:
+    """Swap-file writes that wait in their I/O worker while held (`hold()` ... `release()`)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.writing = threading.Event()  # a write arrived since `hold()`
+        self.order: list[tuple[str, int]] = []  # ("write", offset) as each write goes to the file
+
+    def hold(self) -> None:
+        self.writing.clear()
+        self.open.clear()
+
+    def release(self) -> None:
+        self.open.set()
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Hold the I/O workers' writes at will, to see what the store and engine do meanwhile."""
+    held = HeldWrites()
+    real = io_engine._pwrite_full
+
+    def write(fd, view, offset):
+        held.writing.set()
+        assert held.open.wait(10), "a write stayed held for 10 s"
+        held.order.append(("write", offset))
+        real(fd, view, offset)
+
+    monkeypatch.setattr(io_engine, "_pwrite_full", write)
+    yield held
+    held.release()  # (a failed check must not leave a worker held)

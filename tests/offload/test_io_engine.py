@@ -158,30 +158,23 @@ def test_a_finished_request_keeps_no_reference_to_its_buffer(engine, tmp_path):
         swap.close(remove=True)
 
 
-def test_a_read_waits_neither_behind_queued_writes_nor_for_their_slots(tmp_path, monkeypatch):
+def test_a_read_waits_neither_behind_queued_writes_nor_for_their_slots(tmp_path, monkeypatch, held_writes):
     # [Note: reads first] One worker, held inside a write; queue_depth 2 leaves writes one slot.
-    gate, writing, order = threading.Event(), threading.Event(), []
-    real_write, real_read = io_engine._pwrite_full, io_engine._pread_full
-
-    def held_write(fd, view, offset):
-        writing.set()
-        assert gate.wait(10)
-        order.append(("write", offset))
-        real_write(fd, view, offset)
+    real_read = io_engine._pread_full
 
     def read(fd, view, offset):
-        order.append(("read", offset))
+        held_writes.order.append(("read", offset))
         real_read(fd, view, offset)
 
-    monkeypatch.setattr(io_engine, "_pwrite_full", held_write)
     monkeypatch.setattr(io_engine, "_pread_full", read)
     eng = make_engine(IOConfig(block_size=4096, queue_depth=2, threads=1))
     f = open_io_file(str(tmp_path / "f"), direct=True)
     try:
         os.ftruncate(f.fd, 16 * 4096)
         bufs = [HostBuffer(4096) for _ in range(3)]
+        held_writes.hold()
         first = eng.write(f, 0, bufs[0].array)
-        assert writing.wait(10)
+        assert held_writes.writing.wait(10)
         second = []
         queued_write = threading.Thread(target=lambda: second.append(eng.write(f, 4096, bufs[1].array)), daemon=True)
         queued_write.start()  # waits for the one write slot
@@ -190,13 +183,13 @@ def test_a_read_waits_neither_behind_queued_writes_nor_for_their_slots(tmp_path,
         reader.start()
         reader.join(10)
         assert not reader.is_alive(), "the read waited for a slot the writes hold"
-        gate.set()
+        held_writes.release()
         for h in [first, got[0]]:
             h.wait()
         queued_write.join(10)
         second[0].wait()
-        assert order == [("write", 0), ("read", 8 * 4096), ("write", 4096)]
+        assert held_writes.order == [("write", 0), ("read", 8 * 4096), ("write", 4096)]
     finally:
-        gate.set()  # (a failed check must not leave the worker held)
+        held_writes.release()
         eng.close()
         f.close()

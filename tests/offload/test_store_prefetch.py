@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from offload import Tier, io_engine
+from offload import Tier
 
 
 def wait_until(cond, timeout=5.0):
@@ -116,28 +116,18 @@ def test_a_prefetch_never_evicts_an_earlier_prefetch_not_yet_used(make_store):
     store.release("c")
 
 
-def test_a_prefetch_waits_for_room_a_write_back_is_freeing(make_store, monkeypatch):
+def test_a_prefetch_waits_for_room_a_write_back_is_freeing(make_store, held_writes):
     store = make_store(host_budget=192 << 10)
     store.put("c", torch.full((20_000,), 3.0), Tier.NVME).wait()
     for k in "ab":
         store.put(k, torch.full((20_000,), 1.0), Tier.HOST)  # dirty: leaving HOST means a write
-    gate, writing = threading.Event(), threading.Event()
-    real_write = io_engine._pwrite_full
-
-    def held_write(fd, view, offset):
-        writing.set()
-        assert gate.wait(10)
-        real_write(fd, view, offset)
-
-    monkeypatch.setattr(io_engine, "_pwrite_full", held_write)
+    held_writes.hold()
     evicted = store.evict("a", Tier.NVME)
-    try:
-        assert writing.wait(10)
-        store.prefetch(["c"], Tier.HOST)  # no room until "a" is written: wait for it, don't drop
-        time.sleep(0.2)
-        assert store.stats()["prefetch_dropped"] == 0
-    finally:
-        gate.set()
+    assert held_writes.writing.wait(10)
+    store.prefetch(["c"], Tier.HOST)  # no room until "a" is written: wait for it, don't drop
+    time.sleep(0.2)
+    assert store.stats()["prefetch_dropped"] == 0
+    held_writes.release()
     evicted.wait()
     wait_until(lambda: store.stats()["host"]["resident"] == 2 * 80_000)
     assert torch.equal(store.fetch("c", Tier.HOST).result(), torch.full((20_000,), 3.0))
@@ -146,7 +136,7 @@ def test_a_prefetch_waits_for_room_a_write_back_is_freeing(make_store, monkeypat
     store.release("c")
 
 
-def test_a_prefetch_never_takes_room_a_waiting_fetch_needs(make_store, monkeypatch):
+def test_a_prefetch_never_takes_room_a_waiting_fetch_needs(make_store, held_writes):
     # Small prefetches landing one after another would otherwise keep a large fetch waiting for as
     # long as they come (the forward once waited 1.1 s for its embedding this way).
     store = make_store(host_budget=4 * 81_920)
@@ -156,23 +146,13 @@ def test_a_prefetch_never_takes_room_a_waiting_fetch_needs(make_store, monkeypat
     for k in ("p", "q", "dirty"):
         store.put(k, torch.full((20_000,), 1.0), Tier.HOST)
     pinned = [store.fetch(k, Tier.HOST).result() for k in ("p", "q")]
-    gate, writing = threading.Event(), threading.Event()
-    real_write = io_engine._pwrite_full
-
-    def held_write(fd, view, offset):
-        writing.set()
-        assert gate.wait(10)
-        real_write(fd, view, offset)
-
-    monkeypatch.setattr(io_engine, "_pwrite_full", held_write)
+    held_writes.hold()
     big = store.fetch("big", Tier.HOST)  # one slot free, one on its way out ("dirty" is written)
-    try:
-        assert writing.wait(10)
-        wait_until(lambda: store._demand_waiting[Tier.HOST] == 1)
-        store.prefetch(["small"], Tier.HOST)  # fits in the free slot, but that slot is the fetch's
-        wait_until(lambda: store.stats()["prefetch_dropped"] == 1)
-    finally:
-        gate.set()
+    assert held_writes.writing.wait(10)
+    wait_until(lambda: store._demand_waiting[Tier.HOST] == 1)
+    store.prefetch(["small"], Tier.HOST)  # fits in the free slot, but that slot is the fetch's
+    wait_until(lambda: store.stats()["prefetch_dropped"] == 1)
+    held_writes.release()
     assert torch.equal(big.result(timeout=10), torch.full((40_000,), 5.0))
     assert store.stats()["bytes_read"] == 163_840  # only the fetch was read
     store.release("big")
