@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class _PrefetchDropped(StorageError):
-    """A prefetch found no room and nobody waits for it: it is dropped, not an error."""
+    """A prefetch nobody waits for found no room, or gave way to a fetch: dropped, not an error."""
 
 
 class StagedPut:
@@ -588,10 +588,7 @@ class TieredStore:
                         raise error
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        pinned = sum(r.nbytes for r in self._records.values() if r.pins and r.tier == tier)
-                        raise OutOfBudgetError(tier.name, nbytes, mem.budget,
-                                               f"Waited {self.wait_timeout:.0f} s for {rec.key!r}; "
-                                               f"{pinned:,} bytes stay pinned in {tier.name}.")
+                        raise self._out_of_budget(tier, nbytes, rec)
                     if not unwanted and not waiting:
                         self._demand_waiting[tier] += 1
                         waiting = True
@@ -599,6 +596,12 @@ class TieredStore:
             finally:
                 if waiting:
                     self._demand_waiting[tier] -= 1
+
+    def _out_of_budget(self, tier: Tier, nbytes: int, rec: KeyRecord) -> OutOfBudgetError:
+        pinned = sum(r.nbytes for r in self._records.values() if r.pins and r.tier == tier)
+        return OutOfBudgetError(tier.name, nbytes, self._mem[tier].budget,
+                                f"Waited {self.wait_timeout:.0f} s for {rec.key!r}; "
+                                f"{pinned:,} bytes stay pinned in {tier.name}.")
 
     def _drop_prefetch(self, rec: KeyRecord, move: Move, tier: Tier) -> NoReturn:
         """Give a prefetch up: the key goes back to where it was, and the mover thread is told why."""
