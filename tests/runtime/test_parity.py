@@ -350,7 +350,7 @@ def test_gradients_shared_by_two_parameters_are_read_never_written(tmp_path, cli
     """The engine takes the parameters' own gradient tensors, which may alias (here a and b share
     one): scaling or accumulating them in place would change both parameters' updates."""
     cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
-                         grad_clip=clip, grad_accumulation=accum, sub_group_size=1500)
+                         grad_clip=clip, grad_accumulation=accum, sub_group_size=1024)
     ours_model, ref_model = twins(AliasedGradients)
     data = batches(8 * accum)
     ours, engine = train_engine(ours_model, cfg, data, accum=accum)
@@ -422,5 +422,31 @@ def test_every_forward_prefetches_the_units_ahead_once_their_updates_are_done(tm
     ahead = {u.param_key for u in engine.units if u.index != first and not u.resident}
     assert len(ahead) >= 4 and asked[0] == set()  # the first step records the order
     assert asked[1:] == [ahead] * 3
+    assert_losses_match(losses, train_plain(ref_model, data, clip=clip))
+    engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_updated_parameters_stay_in_memory_for_the_next_forward(tmp_path, clip):
+    # [Note: updated parameters stay put]: with DEVICE room for every parameter shard and a HOST
+    # budget that holds little more than the optimizer's stream, an update leaves each shard where
+    # it was, so the next forward reads nothing from NVMe (moved to HOST, each was written out and
+    # read back every step).
+    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip, device_budget=4 << 20, host_budget=96 << 10, sub_group_size=1024)
+    ours_model, ref_model = twins(lambda: TinyGPT(layers=4, tied=False))
+    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    data, losses, forward_reads = batches(4), [], []
+    for x, y in data:
+        engine.synchronize()  # the last step's updates (and their write-backs) are done
+        before = engine.stats()["bytes_read"]
+        loss = engine(x, y)
+        forward_reads.append(engine.stats()["bytes_read"] - before)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert forward_reads[0] > 0  # what put() first wrote to NVMe
+    assert forward_reads[1:] == [0, 0, 0]
+    assert engine.stats()["bytes_written"] > 0  # optimizer states still stream through NVMe
     assert_losses_match(losses, train_plain(ref_model, data, clip=clip))
     engine.close()
