@@ -145,7 +145,8 @@ def plan_memory(shards: list[int], padded: list[int], *, elem: int, world: int, 
         dev["runtime"] += max((near + 1) * (largest_unit + PAGE), dev_min)
     host_min = param_all if params_on == "cpu" else 0
     if params_on == "nvme":
-        # Updated shards go to HOST and reach NVMe only when evicted: with room, HOST caches them all.
+        # Updated shards stay in memory and reach NVMe only when evicted (on a CPU, one evicted from
+        # DEVICE goes to HOST first while HOST has room): with room, HOST caches them all.
         host["runtime"] += param_all
         host_min += largest_unit + PAGE
     work = dev if work_on_device else host
