@@ -29,7 +29,8 @@ class PrefetchQueue:
              landed: Callable[[int], None]) -> None:
         """Start queued requests while in-flight bytes stay under the limit (one always may start).
 
-        Requests for keys that are gone, busy, already there or in use elsewhere are dropped, except
+        Requests for keys that are gone, busy, already there or in use elsewhere are dropped (one
+        already there and released is marked prefetched, as if just brought), except
         a key still on its way into HOST that is asked for on DEVICE (the engine's two-level window
         on a GPU): that request waits, without holding up the ones behind it, and starts once the
         first move has landed.
@@ -42,6 +43,10 @@ class PrefetchQueue:
                 if rec is not None and rec.move is not None and rec.move.target == Tier.HOST and tier == Tier.DEVICE:
                     waiting.append(self._queue.popleft())
                     continue
+                if rec is not None and rec.move is None and rec.state == STABLE[tier] and not rec.pins:
+                    # Already there: claimed as if this prefetch had brought it, so that other
+                    # prefetches leave it be until it is used (see TieredStore._evict_for).
+                    rec.prefetched = True
                 if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
                     self._queue.popleft()
                     continue

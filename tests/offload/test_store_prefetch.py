@@ -116,6 +116,32 @@ def test_a_prefetch_never_evicts_an_earlier_prefetch_not_yet_used(make_store):
     store.release("c")
 
 
+def test_a_prefetch_of_a_key_already_there_keeps_later_prefetches_off_it(make_store):
+    # Such a prefetch claims the key as if it had brought it: a later prefetch that needs room
+    # evicts another key, not the one about to be used. (Unclaimed, the engine's dirty parameter
+    # shards were written back and read again moments after the prefetch that asked for them.)
+    store = make_store(host_budget=192 << 10)  # two of these keys (80 KiB each, page-rounded)
+    data = {k: torch.full((20_000,), float(i)) for i, k in enumerate("abc")}
+    for k, t in data.items():
+        store.put(k, t, Tier.NVME)
+    store.flush()
+    for k in "ab":  # "a" is now the least recently used
+        store.fetch(k, Tier.HOST).result()
+        store.release(k)
+    read = store.stats()["bytes_read"]
+    store.prefetch(["a"], Tier.HOST)  # already there
+    store.prefetch(["c"], Tier.HOST)  # needs the room of one of them
+    wait_until(lambda: store.stats()["bytes_read"] == read + 81_920 and store.stats()["evictions"] == 1)
+    misses = store.stats()["misses"]
+    assert torch.equal(store.fetch("a", Tier.HOST).result(), data["a"])
+    store.release("a")
+    s = store.stats()
+    assert s["misses"] == misses and s["bytes_read"] == read + 81_920 and s["prefetch_dropped"] == 0
+    assert torch.equal(store.fetch("b", Tier.HOST).result(), data["b"])  # "b" made the room
+    store.release("b")
+    assert store.stats()["misses"] == misses + 1
+
+
 def test_a_prefetch_waits_for_room_a_write_back_is_freeing(make_store, held_writes):
     store = make_store(host_budget=192 << 10)
     store.put("c", torch.full((20_000,), 3.0), Tier.NVME).wait()
