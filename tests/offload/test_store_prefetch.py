@@ -95,14 +95,20 @@ def test_a_device_prefetch_waits_for_the_host_prefetch_of_the_same_key(make_stor
     store.release("big")
 
 
-def test_a_prefetch_never_evicts_an_earlier_prefetch_not_yet_used(make_store):
-    # Prefetches are asked for in the order of use: evicting an earlier one to land a later one
-    # would only read the earlier one twice.
-    store = make_store(host_budget=192 << 10)  # two of these keys (80 KiB each, page-rounded)
+def _three_keys_on_nvme(store) -> dict[str, torch.Tensor]:
+    """Keys "a", "b", "c" of 80,000 bytes each, written to NVMe; returns their values."""
     data = {k: torch.full((20_000,), float(i)) for i, k in enumerate("abc")}
     for k, t in data.items():
         store.put(k, t, Tier.NVME)
     store.flush()
+    return data
+
+
+def test_a_prefetch_never_evicts_an_earlier_prefetch_not_yet_used(make_store):
+    # Prefetches are asked for in the order of use: evicting an earlier one to land a later one
+    # would only read the earlier one twice.
+    store = make_store(host_budget=192 << 10)  # two of these keys (80 KiB each, page-rounded)
+    data = _three_keys_on_nvme(store)
     store.prefetch(["a", "b"], Tier.HOST)
     wait_until(lambda: store.stats()["host"]["resident"] == 2 * 80_000)
     store.prefetch(["c"], Tier.HOST)
@@ -121,10 +127,7 @@ def test_a_prefetch_of_a_key_already_there_keeps_later_prefetches_off_it(make_st
     # evicts another key, not the one about to be used. (Unclaimed, the engine's dirty parameter
     # shards were written back and read again moments after the prefetch that asked for them.)
     store = make_store(host_budget=192 << 10)  # two of these keys (80 KiB each, page-rounded)
-    data = {k: torch.full((20_000,), float(i)) for i, k in enumerate("abc")}
-    for k, t in data.items():
-        store.put(k, t, Tier.NVME)
-    store.flush()
+    data = _three_keys_on_nvme(store)
     for k in "ab":  # "a" is now the least recently used
         store.fetch(k, Tier.HOST).result()
         store.release(k)
