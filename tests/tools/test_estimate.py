@@ -5,6 +5,7 @@ import torch
 
 import runtime
 from offload import Tier
+from offload.io_config import round_up
 from tools.estimate import estimate, legal_settings
 from tools.model_source import resolve_model, unit_numels
 
@@ -48,10 +49,12 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
     device = s["device"]["peak"] + s["gathered"]["peak"]
     assert _within(device, plan.device.total), (device, plan.device)
     # The store's HOST (gradients handed straight to the optimizer are outside it). It may come in
-    # under the plan by a little more: the plan caches every updated parameter shard there, while on
-    # a CPU a shard updated in place stays in DEVICE until pushed down.
+    # under the plan by up to the updated parameter shards: the plan caches them all there, while
+    # on a CPU a shard updated in place stays in DEVICE until pushed down, and how many are pushed
+    # depends on timing (runtime/optimizer.py [Note: updated parameters stay put]).
     host, planned = s["host"]["peak"], plan.host.states + plan.host.runtime
-    assert _within(host, planned) or planned >= host >= 0.85 * planned, (s["host"], plan.host)
+    updated = sum(round_up(4 * n) for n in unit_numels(source)) if params == "nvme" else 0
+    assert _within(host, planned) or planned >= host >= 0.9 * (planned - updated), (s["host"], plan.host)
     assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
 
 
