@@ -43,11 +43,12 @@ class PrefetchQueue:
                 if rec is not None and rec.move is not None and rec.move.target == Tier.HOST and tier == Tier.DEVICE:
                     waiting.append(self._queue.popleft())
                     continue
-                if rec is not None and rec.move is None and rec.state == STABLE[tier] and not rec.pins:
-                    # Already there: claimed as if this prefetch had brought it, so that other
-                    # prefetches leave it be until it is used (see TieredStore._evict_for).
+                there = rec is not None and rec.move is None and rec.state == STABLE[tier]
+                if there and not rec.pins:
+                    # Claimed as if this prefetch had brought it, so that other prefetches leave it
+                    # be until it is used (see TieredStore._evict_for).
                     rec.prefetched = True
-                if rec is None or rec.move is not None or rec.state == STABLE[tier] or rec.pins:
+                if there or rec is None or rec.move is not None or rec.pins:
                     self._queue.popleft()
                     continue
                 if self.inflight and self.inflight + rec.nbytes > self.limit:
