@@ -19,6 +19,7 @@ its own I/O kept the disk busy and at what speed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -144,7 +145,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
     step = statistics.median(times[1:])  # the first step records the trace and warms up
     # Medians of each step's own counts after the warm-up step, like `step`: a mean would charge the
     # steady state with plain PyTorch's slower first steps.
-    cpu = {f"{name}_per_step": statistics.median(b[i] - a[i] for a, b in zip(usage, usage[1:], strict=False))
+    cpu = {f"{name}_per_step": statistics.median(b[i] - a[i] for a, b in itertools.pairwise(usage))
            for i, name in enumerate(("user_s", "sys_s", "minflt"))}
     out = {"kind": kind, "preset": preset, "dtype": dtype, "step_s": step, "all_steps_s": times,
            "peak_rss": peak_rss(), **cpu}
