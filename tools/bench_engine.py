@@ -13,7 +13,9 @@ Every configuration runs in its own process, so that its peak RSS is its own; co
 interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
 After each round, where fio is installed, fio reads and writes the same folder at once for a few
 seconds: the disk's speed of the moment, next to which each NVMe kind reports how long per step
-its own I/O kept the disk busy and at what speed.
+its own I/O kept the disk busy and at what speed. Each kind also reports its CPU-seconds per step
+(the median step, all threads) and the floor they put under the step: CPU-seconds over the cores,
+as a ratio to the first kind's step, which no schedule can beat.
 """
 
 from __future__ import annotations
