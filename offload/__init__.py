@@ -7,14 +7,14 @@ Names are imported on first use, so that the torch-free parts (the I/O engines, 
 import importlib
 
 _EXPORTS = {
-    "TieredStore": "offload.store",
-    "Tier": "offload.residency",
-    "IOConfig": "offload.io_config",
-    "Handle": "offload.handle",
-    "StorageError": "offload.errors",
-    "StorageFullError": "offload.errors",
-    "StorageCorruptError": "offload.errors",
-    "OutOfBudgetError": "offload.errors",
+    "TieredStore": "outcore.offload.store",
+    "Tier": "outcore.offload.residency",
+    "IOConfig": "outcore.offload.io_config",
+    "Handle": "outcore.offload.handle",
+    "StorageError": "outcore.offload.errors",
+    "StorageFullError": "outcore.offload.errors",
+    "StorageCorruptError": "outcore.offload.errors",
+    "OutOfBudgetError": "outcore.offload.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -22,5 +22,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+        raise AttributeError(f"module 'outcore.offload' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -14,10 +14,10 @@ import threading
 import aiofiles
 import numpy as np
 
-from offload.background import background_pool, lower_priority
-from offload.checksum import block_checksum
-from offload.io_config import IOConfig
-from offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
+from outcore.offload.background import background_pool, lower_priority
+from outcore.offload.checksum import block_checksum
+from outcore.offload.io_config import IOConfig
+from outcore.offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
 
 
 class AiofilesIOEngine:

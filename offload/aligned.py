@@ -14,7 +14,7 @@ import mmap
 
 import numpy as np
 
-from offload.io_config import PAGE, round_up
+from outcore.offload.io_config import PAGE, round_up
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # from linux/mman.h

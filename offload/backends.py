@@ -6,8 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
-from offload.io_config import IOConfig
-from offload.io_engine import IOCounters, IOFile, IOHandle, ThreadIOEngine
+from outcore.offload.io_config import IOConfig
+from outcore.offload.io_engine import IOCounters, IOFile, IOHandle, ThreadIOEngine
 
 
 class IOEngine(Protocol):
@@ -28,7 +28,7 @@ class IOEngine(Protocol):
 def make_engine(config: IOConfig) -> IOEngine:
     """The engine `config.backend` names: "threads" (default, measured faster) or "aiofiles"."""
     if config.backend == "aiofiles":
-        from offload.aio_engine import AiofilesIOEngine
+        from outcore.offload.aio_engine import AiofilesIOEngine
 
         return AiofilesIOEngine(config)
     return ThreadIOEngine(config)

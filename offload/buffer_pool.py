@@ -12,9 +12,9 @@ import threading
 import time
 from collections import OrderedDict
 
-from offload.buffers import HostBuffer
-from offload.errors import OutOfBudgetError
-from offload.io_config import round_up
+from outcore.offload.buffers import HostBuffer
+from outcore.offload.errors import OutOfBudgetError
+from outcore.offload.io_config import round_up
 
 
 class HostBufferPool:

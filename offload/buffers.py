@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from offload.aligned import aligned_array
-from offload.io_config import round_up
+from outcore.offload.aligned import aligned_array
+from outcore.offload.io_config import round_up
 
 log = logging.getLogger(__name__)
 

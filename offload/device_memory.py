@@ -15,9 +15,9 @@ import threading
 
 import torch
 
-from offload.buffers import Buffer, DeviceBuffer, HostBuffer
-from offload.errors import OutOfBudgetError
-from offload.io_config import round_up
+from outcore.offload.buffers import Buffer, DeviceBuffer, HostBuffer
+from outcore.offload.errors import OutOfBudgetError
+from outcore.offload.io_config import round_up
 
 
 class CudaMemory:

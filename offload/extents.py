@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from offload.io_config import PAGE, round_up
+from outcore.offload.io_config import PAGE, round_up
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from offload.background import lower_priority
-from offload.checksum import block_checksum
-from offload.handle import Handle
-from offload.io_config import IOConfig
+from outcore.offload.background import lower_priority
+from outcore.offload.checksum import block_checksum
+from outcore.offload.handle import Handle
+from outcore.offload.io_config import IOConfig
 
 log = logging.getLogger(__name__)
 

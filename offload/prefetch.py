@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from offload.residency import STABLE, KeyRecord, Tier
+from outcore.offload.residency import STABLE, KeyRecord, Tier
 
 
 class PrefetchQueue:

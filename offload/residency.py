@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.buffers import Buffer
+from outcore.offload.buffers import Buffer
 
 
 class Tier(enum.IntEnum):

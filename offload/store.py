@@ -25,17 +25,17 @@ from typing import NoReturn
 
 import torch
 
-from offload.backends import make_engine
-from offload.background import background_pool, lower_priority
-from offload.buffer_pool import HostBufferPool
-from offload.buffers import Buffer, HostBuffer
-from offload.device_memory import CudaMemory
-from offload.errors import OutOfBudgetError, StorageError
-from offload.handle import Handle, done_future, handle_of
-from offload.io_config import IOConfig, round_up
-from offload.prefetch import PrefetchQueue
-from offload.residency import MOVING, STABLE, TIER_OF, KeyRecord, Move, Residency, Tier
-from offload.swap_file import SwapFile
+from outcore.offload.backends import make_engine
+from outcore.offload.background import background_pool, lower_priority
+from outcore.offload.buffer_pool import HostBufferPool
+from outcore.offload.buffers import Buffer, HostBuffer
+from outcore.offload.device_memory import CudaMemory
+from outcore.offload.errors import OutOfBudgetError, StorageError
+from outcore.offload.handle import Handle, done_future, handle_of
+from outcore.offload.io_config import IOConfig, round_up
+from outcore.offload.prefetch import PrefetchQueue
+from outcore.offload.residency import MOVING, STABLE, TIER_OF, KeyRecord, Move, Residency, Tier
+from outcore.offload.swap_file import SwapFile
 
 log = logging.getLogger(__name__)
 

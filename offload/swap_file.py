@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from offload.backends import IOEngine
-from offload.checksum import CHECKSUM_NAME, block_checksum
-from offload.errors import StorageCorruptError, StorageError, StorageFullError
-from offload.extents import Extent, ExtentAllocator
-from offload.io_engine import IOHandle, ShortIOError, open_io_file
+from outcore.offload.backends import IOEngine
+from outcore.offload.checksum import CHECKSUM_NAME, block_checksum
+from outcore.offload.errors import StorageCorruptError, StorageError, StorageFullError
+from outcore.offload.extents import Extent, ExtentAllocator
+from outcore.offload.io_engine import IOHandle, ShortIOError, open_io_file
 
 GROW_STEP = 256 << 20  # the file doubles while small, then grows by this much: fallocate stays rare
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}

@@ -1,9 +1,9 @@
 """outcore's ZeRO engine (SPEC.md §2)."""
 
-from offload.io_config import IOConfig
-from runtime.config import Config
-from runtime.engine import Engine
-from runtime.materialize import deferred_init
-from runtime.optimizer import AdamW
+from outcore.offload.io_config import IOConfig
+from outcore.runtime.config import Config
+from outcore.runtime.engine import Engine
+from outcore.runtime.materialize import deferred_init
+from outcore.runtime.optimizer import AdamW
 
 __all__ = ["AdamW", "Config", "Engine", "IOConfig", "deferred_init"]

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from offload import StorageCorruptError
-from runtime.optimizer import ParamWriter
-from runtime.safetensors_stream import SafetensorsWriter, file_crc32
+from outcore.offload import StorageCorruptError
+from outcore.runtime.optimizer import ParamWriter
+from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from outcore.runtime.engine import Engine
 
 FORMAT = 1
 

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.io_config import IOConfig
+from outcore.offload.io_config import IOConfig
 
 log = logging.getLogger(__name__)
 

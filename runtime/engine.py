@@ -1,4 +1,4 @@
-"""`runtime.Engine`: trains an ordinary nn.Module with ZeRO-sharded states paged through the store.
+"""`outcore.Engine`: trains an ordinary nn.Module with ZeRO-sharded states paged through the store.
 
 The composition, in order: plan units → lay out flat shards → size the store → materialize and
 shard each unit → wire hooks. A training step is then the model's forward, `backward`, `step`:
@@ -33,21 +33,21 @@ import psutil
 import torch
 from torch import nn
 
-from offload import Tier, TieredStore
-from offload.background import background_pool
-from runtime.checkpoint import load_checkpoint, save_checkpoint
-from runtime.collectives import Group, all_reduce_sum, init_group
-from runtime.config import Config
-from runtime.flat_unit import Chunk, FlatUnit, Layout, UnitState
-from runtime.hooks import register_grad_hook, register_unit_hooks
-from runtime.host_heap import pin_mmap_threshold
-from runtime.loss_scale import LossScaler
-from runtime.materialize import materialize_unit
-from runtime.memory_plan import HANDED_OVER, MemoryPlan, device_window, master_is_param, plan_memory
-from runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
-from runtime.state_dict import export_safetensors, full_state_dict
-from runtime.trace import Trace
-from runtime.units import plan_units
+from outcore.offload import Tier, TieredStore
+from outcore.offload.background import background_pool
+from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
+from outcore.runtime.collectives import Group, all_reduce_sum, init_group
+from outcore.runtime.config import Config
+from outcore.runtime.flat_unit import Chunk, FlatUnit, Layout, UnitState
+from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
+from outcore.runtime.host_heap import pin_mmap_threshold
+from outcore.runtime.loss_scale import LossScaler
+from outcore.runtime.materialize import materialize_unit
+from outcore.runtime.memory_plan import HANDED_OVER, MemoryPlan, device_window, master_is_param, plan_memory
+from outcore.runtime.optimizer import AdamW, ParamWriter, Placement, initial_state, update_chunks
+from outcore.runtime.state_dict import export_safetensors, full_state_dict
+from outcore.runtime.trace import Trace
+from outcore.runtime.units import plan_units
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
@@ -336,7 +336,7 @@ class Engine:
     def _prefetch(self, unit_indices: list[int]) -> None:
         """Start bringing the parameter shards of the units expected next (`prefetch_depth` of them)
         closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST
-        (`runtime.memory_plan.device_window`; DESIGN.md's two levels)."""
+        (`outcore.runtime.memory_plan.device_window`; DESIGN.md's two levels)."""
         # A unit still being updated is skipped: its update brings its shard into memory itself.
         # (A finished update stays in `_pending` until the unit is next gathered: not skipped.)
         keys = [self.units[i].param_key for i in unit_indices if not self._updating(i)

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from offload import Tier, TieredStore
-from offload.aligned import advise_huge_pages
-from runtime.collectives import Group, all_gather_chunk, reduce_scatter
-from runtime.units import UnitPlan
+from outcore.offload import Tier, TieredStore
+from outcore.offload.aligned import advise_huge_pages
+from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
+from outcore.runtime.units import UnitPlan
 
 
 class UnitState(enum.Enum):

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._pytree import tree_leaves
 
-from runtime.flat_unit import FlatUnit
+from outcore.runtime.flat_unit import FlatUnit
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from outcore.runtime.engine import Engine
 
 
 def _grad_tensors(output) -> list[torch.Tensor]:

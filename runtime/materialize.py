@@ -1,8 +1,8 @@
 """Deferred initialization: models built on the meta device, materialized one unit at a time.
 
-    with runtime.deferred_init():
+    with outcore.deferred_init():
         model = MyModel()          # no real memory: every tensor is on the meta device
-    engine = runtime.Engine(model, config)   # each unit is materialized, sharded, then dropped
+    engine = outcore.Engine(model, config)   # each unit is materialized, sharded, then dropped
 
 A module is initialized by `init_fn(module)` when given, else by its own `reset_parameters()`.
 Each unit draws from its own seeded generator state, so initialization is reproducible and does
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from runtime.units import UnitPlan
+from outcore.runtime.units import UnitPlan
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 [Note: optimizer state] Each chunk of a unit's shard keeps its fp32 optimizer state under one key:
 `[exp_avg | exp_avg_sq]` when the unit's fp32 parameter shard is its master (fp32 training; see
-`runtime.memory_plan.master_is_param`), `[master | exp_avg | exp_avg_sq]` when the parameters are
+`outcore.runtime.memory_plan.master_is_param`), `[master | exp_avg | exp_avg_sq]` when the parameters are
 bf16 or fp16. Reading and writing a chunk is then one large sequential request each, and the
 pipeline holds a few chunks, never a whole large unit. The update is `torch._fused_adamw_`, the
 kernel behind `torch.optim.AdamW(fused=True)`: bias correction and decoupled weight decay exactly
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from offload import Tier, TieredStore
-from offload.store import StagedPut
-from runtime.flat_unit import Chunk
+from outcore.offload import Tier, TieredStore
+from outcore.offload.store import StagedPut
+from outcore.runtime.flat_unit import Chunk
 
 
 @dataclass

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.safetensors_stream import SafetensorsWriter
+from outcore.runtime.safetensors_stream import SafetensorsWriter
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from outcore.runtime.engine import Engine
 
 
 def _unit_tensors(engine: Engine):

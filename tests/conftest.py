@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from offload import IOConfig, TieredStore, io_engine
+from outcore.offload import IOConfig, TieredStore, io_engine
 
 SMALL_IO = IOConfig(block_size=64 << 10, queue_depth=8, threads=2)
 

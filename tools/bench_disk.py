@@ -18,12 +18,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from offload.aligned import aligned_array
-from offload.backends import make_engine
-from offload.io_config import IOConfig
-from offload.io_engine import IOFile, open_io_file
-from tools.fio import fio_available, fio_throughput
-from tools.report import peak_rss
+from outcore.offload.aligned import aligned_array
+from outcore.offload.backends import make_engine
+from outcore.offload.io_config import IOConfig
+from outcore.offload.io_engine import IOFile, open_io_file
+from outcore.tools.fio import fio_available, fio_throughput
+from outcore.tools.report import peak_rss
 
 # [Note: bench memory] The only large buffers are the slots: queue_depth x block_size bytes. Direct
 # I/O bypasses the page cache, so peak RSS ~= interpreter + numpy + slots.

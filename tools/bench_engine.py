@@ -1,7 +1,7 @@
 """Engine benchmarks: optimizer throughput and training-step time against plain PyTorch.
 
-    python -m tools.bench_engine optimizer [--params 100M] [--repeats 5]
-    python -m tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
+    python -m outcore.tools.bench_engine optimizer [--params 100M] [--repeats 5]
+    python -m outcore.tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
                                       [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip]
                                       [--budget 256M] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
@@ -33,9 +33,9 @@ import time
 
 import torch
 
-from tools.fio import fio_available, fio_mixed_throughput
-from tools.report import peak_rss
-from tools.units import human_bytes, parse_size
+from outcore.tools.fio import fio_available, fio_mixed_throughput
+from outcore.tools.report import peak_rss
+from outcore.tools.units import human_bytes, parse_size
 
 DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 threads), and fio's
 
@@ -43,7 +43,7 @@ DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 
 
 def run_optimizer(kind: str, params: int, repeats: int) -> dict:
     """Seconds of one AdamW step over `params` fp32 parameters with states in RAM."""
-    import runtime
+    from outcore import runtime
 
     width = 2048
     layers = max(1, params // (width * width))
@@ -83,8 +83,8 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
              dtype: str = "fp32", checksum: bool = True, host_budget: int | None = None,
              checkpoint: bool = False) -> dict:
     """Median seconds of a training step of the preset GPT, plain or through the engine."""
-    import runtime
-    from tools.gpt import GPT, PRESETS
+    from outcore import runtime
+    from outcore.tools.gpt import GPT, PRESETS
 
     cfg = PRESETS[preset]
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
         offload = "none" if kind == "ram" else "nvme"
         with runtime.deferred_init():
             model = GPT(cfg, checkpoint_activations=checkpoint)
-        from tools.gpt import init_fn
+        from outcore.tools.gpt import init_fn
 
         with tempfile.TemporaryDirectory(dir=nvme_root) as d:
             # DEVICE and HOST budgets of `budget` bytes (HOST: `host_budget` if given): the store pages
@@ -184,14 +184,15 @@ def _disk_reference(folder: str, seconds: float = 5.0) -> dict | None:
 
 
 def _child(args: list[str]) -> dict:
-    res = subprocess.run([sys.executable, "-m", "tools.bench_engine", "_run", *args], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.bench_engine", "_run", *args],
+                         capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"benchmark process failed: {res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_engine")
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_engine")
     sub = p.add_subparsers(dest="what", required=True)
     o = sub.add_parser("optimizer")
     o.add_argument("--params", type=parse_size, default=100_000_000)

@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from tools.presets import PRESETS
-from tools.units import human_bytes, parse_count, parse_list, parse_size
+from outcore.tools.presets import PRESETS
+from outcore.tools.units import human_bytes, parse_count, parse_list, parse_size
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 OFFLOADS = ("none", "cpu", "nvme")
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_disk(args: argparse.Namespace) -> int:
-    from tools.bench_disk import bench_disk
-    from tools.report import progress, table, write_json
+    from outcore.tools.bench_disk import bench_disk
+    from outcore.tools.report import progress, table, write_json
 
     settings = len(args.block_size) * len(args.queue_depth) * len(args.threads) * len(args.backend)
     with progress(args.repeats * settings, "bench-disk") as bar:
@@ -168,8 +168,8 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tools.report import write_json
-    from tools.train import TrainOptions, train
+    from outcore.tools.report import write_json
+    from outcore.tools.train import TrainOptions, train
 
     if args.resume and not os.path.exists(os.path.join(args.out, "checkpoints", "latest")):
         raise UsageError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')!r}; "
@@ -191,9 +191,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from tools.estimate import estimate_table, legal_settings
-    from tools.model_source import resolve_model, synthetic_unit_numels, unit_numels
-    from tools.report import table, write_json
+    from outcore.tools.estimate import estimate_table, legal_settings
+    from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_numels
+    from outcore.tools.report import table, write_json
 
     try:
         if args.params:
@@ -225,8 +225,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tools.export import export_checkpoint
-    from tools.report import write_json
+    from outcore.tools.export import export_checkpoint
+    from outcore.tools.report import write_json
 
     try:
         res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify)
@@ -240,13 +240,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    import runtime
-    from tools.report import table, write_json
-    from tools.tune import tune
+    from outcore import runtime
+    from outcore.tools.report import table, write_json
+    from outcore.tools.tune import tune
 
     try:
         base = runtime.Config.from_file(args.config)
-        from tools.model_source import resolve_model
+        from outcore.tools.model_source import resolve_model
 
         resolve_model(args.model)  # a wrong name fails here, before any candidate runs
     except ValueError as e:

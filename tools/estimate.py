@@ -7,9 +7,9 @@ device), a GPT of about that size for `--params`.
 
 from __future__ import annotations
 
-from runtime.engine import DTYPES
-from runtime.flat_unit import padded_numel
-from runtime.memory_plan import MemoryPlan, plan_memory
+from outcore.runtime.engine import DTYPES
+from outcore.runtime.flat_unit import padded_numel
+from outcore.runtime.memory_plan import MemoryPlan, plan_memory
 
 ELEM = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 OFFLOADS = ("none", "cpu", "nvme")

@@ -13,10 +13,10 @@ import os
 import torch
 from safetensors import safe_open
 
-from offload import StorageCorruptError
-from runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
-from runtime.engine import DTYPES
-from runtime.safetensors_stream import SafetensorsWriter
+from outcore.offload import StorageCorruptError
+from outcore.runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
+from outcore.runtime.engine import DTYPES
+from outcore.runtime.safetensors_stream import SafetensorsWriter
 
 
 def checkpoint_folder(path: str, tag: str | None = None) -> str:

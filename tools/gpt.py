@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tools.presets import PRESETS, GPTConfig
+from outcore.tools.presets import PRESETS, GPTConfig
 
 __all__ = ["GPT", "PRESETS", "GPTConfig", "init_fn"]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from runtime import deferred_init
-from runtime.units import plan_units
-from tools.gpt import GPT, PRESETS, GPTConfig, init_fn
+from outcore.runtime import deferred_init
+from outcore.runtime.units import plan_units
+from outcore.tools.gpt import GPT, PRESETS, GPTConfig, init_fn
 
 
 @dataclass

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-import runtime
-from tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
-from tools.estimate import ELEM, estimate
-from tools.model_source import ModelSource, resolve_model, unit_numels
-from tools.presets import PRESETS
-from tools.report import peak_rss
-from tools.units import human_bytes
+from outcore import runtime
+from outcore.tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
+from outcore.tools.estimate import ELEM, estimate
+from outcore.tools.model_source import ModelSource, resolve_model, unit_numels
+from outcore.tools.presets import PRESETS
+from outcore.tools.report import peak_rss
+from outcore.tools.units import human_bytes
 
 log = logging.getLogger("outcore.train")
 
@@ -154,7 +154,7 @@ def evaluate(engine: runtime.Engine, held_out: ByteCorpus, opts: TrainOptions, s
 
 def train(opts: TrainOptions, *, report=print) -> dict:
     """Train; returns a summary (also what `--json` writes). `report` receives progress lines."""
-    from tools.report import progress
+    from outcore.tools.report import progress
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = resolve_model(opts.preset, seq=opts.seq)

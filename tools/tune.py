@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-import runtime
-from tools.units import human_bytes
+from outcore import runtime
+from outcore.tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
                  "threads": [2, 4, 8], "nice": [0, 15], "host_budget_fraction": [0.25, 0.5, 1.0]}
@@ -47,8 +47,8 @@ class Candidate:
 
 def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None) -> dict:
     """Run one warm-up step and `steps` timed steps in this process; step time is their median."""
-    from tools.model_source import resolve_model
-    from tools.report import peak_rss
+    from outcore.tools.model_source import resolve_model
+    from outcore.tools.report import peak_rss
 
     source = resolve_model(model_spec, seq=seq)
     seq = seq or (source.gpt.seq if source.gpt else 128)
@@ -88,7 +88,7 @@ def run_candidate(config: runtime.Config, model_spec: str, *, steps: int, batch:
     with tempfile.TemporaryDirectory(prefix="outcore-tune-") as tmp:
         cfg_path, out_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
         config.to_file(cfg_path)
-        cmd = [sys.executable, "-m", "tools.tune", cfg_path, model_spec, str(steps), str(batch), str(seq or 0),
+        cmd = [sys.executable, "-m", "outcore.tools.tune", cfg_path, model_spec, str(steps), str(batch), str(seq or 0),
                out_path]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from offload.buffer_pool import HostBufferPool
-from offload.errors import OutOfBudgetError
-from offload.io_config import PAGE
+from outcore.offload.buffer_pool import HostBufferPool
+from outcore.offload.errors import OutOfBudgetError
+from outcore.offload.io_config import PAGE
 
 
 def test_buffers_are_page_aligned_and_rounded():

@@ -1,8 +1,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.extents import ExtentAllocator
-from offload.io_config import PAGE
+from outcore.offload.extents import ExtentAllocator
+from outcore.offload.io_config import PAGE
 
 
 def test_free_runs_coalesce_and_end_shrinks():

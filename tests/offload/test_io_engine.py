@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from offload import Tier, io_engine
-from offload.aligned import aligned_array
-from offload.backends import make_engine
-from offload.buffers import HostBuffer
-from offload.checksum import CHECKSUM_NAME, block_checksum
-from offload.io_config import IOConfig
-from offload.io_engine import ShortIOError, open_io_file
-from offload.swap_file import SwapFile
+from outcore.offload import Tier, io_engine
+from outcore.offload.aligned import aligned_array
+from outcore.offload.backends import make_engine
+from outcore.offload.buffers import HostBuffer
+from outcore.offload.checksum import CHECKSUM_NAME, block_checksum
+from outcore.offload.io_config import IOConfig
+from outcore.offload.io_engine import ShortIOError, open_io_file
+from outcore.offload.swap_file import SwapFile
 
 BACKENDS = ["threads", "aiofiles"]
 

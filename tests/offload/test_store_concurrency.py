@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from offload import IOConfig, OutOfBudgetError, Tier
+from outcore.offload import IOConfig, OutOfBudgetError, Tier
 
 
 # The second config has fewer I/O slots than a key has blocks: write-backs must never wait for a

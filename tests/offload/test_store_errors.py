@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from offload import OutOfBudgetError, StorageCorruptError, StorageError, Tier
+from outcore.offload import OutOfBudgetError, StorageCorruptError, StorageError, Tier
 
 
 def _offset_of(store, key):
@@ -42,7 +42,7 @@ def test_truncated_swap_file_raises_naming_the_key(make_store):
 
 FULL_DISK = textwrap.dedent("""
     import resource, signal, sys, torch
-    from offload import TieredStore, Tier, IOConfig, StorageFullError
+    from outcore.offload import TieredStore, Tier, IOConfig, StorageFullError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG back instead of dying
     resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))  # the disk holds 8 MiB
     store = TieredStore(sys.argv[1], "cpu", 8 << 20, 8 << 20, IOConfig(block_size=1 << 16), wait_timeout=5)

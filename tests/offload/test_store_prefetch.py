@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from offload import Tier
+from outcore.offload import Tier
 
 
 def wait_until(cond, timeout=5.0):

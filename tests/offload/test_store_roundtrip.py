@@ -7,7 +7,7 @@ import stat
 import pytest
 import torch
 
-from offload import IOConfig, Tier
+from outcore.offload import IOConfig, Tier
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]

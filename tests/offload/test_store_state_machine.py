@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offload import IOConfig, Tier, TieredStore
+from outcore.offload import IOConfig, Tier, TieredStore
 
 KEYS = st.sampled_from([f"k{i}" for i in range(6)])
 MEM_TIERS = st.sampled_from([Tier.HOST, Tier.DEVICE])

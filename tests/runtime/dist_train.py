@@ -11,14 +11,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import HP  # noqa: E402
 from models import TinyGPT, batches  # noqa: E402
 
-import runtime  # noqa: E402
+import outcore  # noqa: E402
 
 
 def main(out_path: str, config_json: str, steps: int) -> None:
     torch.manual_seed(0)
     model = TinyGPT()
-    cfg = runtime.Config.from_dict(json.loads(config_json))
-    engine = runtime.Engine(model, cfg, runtime.AdamW(**HP))
+    cfg = outcore.Config.from_dict(json.loads(config_json))
+    engine = outcore.Engine(model, cfg, outcore.AdamW(**HP))
     rank, world = engine.group.rank, engine.group.world
     losses = []
     for x, y in batches(steps, batch=4):

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-import runtime
+import outcore
 
 HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -29,7 +29,7 @@ def train_plain(model, data, *, clip=None, accum=1):
 
 
 def train_engine(model, config, data, *, accum=1, engine=None):
-    engine = engine or runtime.Engine(model, config, runtime.AdamW(**HP))
+    engine = engine or outcore.Engine(model, config, outcore.AdamW(**HP))
     losses = []
     for i in range(0, len(data), accum):
         total = 0.0

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-import runtime
+import outcore
 
 
 class Layer(nn.Module):
@@ -33,13 +33,13 @@ class Stack(nn.Module):
 
 def main(nvme_dir: str, d: int, layers: int, host_budget: int) -> None:
     torch.set_num_threads(2)
-    with runtime.deferred_init():
+    with outcore.deferred_init():
         model = Stack(d, layers)
     n = sum(p.numel() for p in model.parameters())
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=nvme_dir,
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=nvme_dir,
                          host_budget=host_budget, prefetch_depth=1, io={"block_size": 8 << 20, "threads": 4})
     t0 = time.perf_counter()
-    engine = runtime.Engine(model, cfg, runtime.AdamW(lr=1e-4))
+    engine = outcore.Engine(model, cfg, outcore.AdamW(lr=1e-4))
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     losses, step_s = [], []

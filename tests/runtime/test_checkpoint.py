@@ -7,15 +7,15 @@ from helpers import HP, train_engine, twins
 from models import TinyGPT, batches
 from safetensors.torch import load_file
 
-import runtime
-from offload import StorageCorruptError, Tier
+import outcore
+from outcore.offload import StorageCorruptError, Tier
 
 
 def make(tmp_path, name, params="nvme", optim="nvme", **kw):
-    cfg = runtime.Config(stage=3, offload_params=params, offload_optimizer=optim,
+    cfg = outcore.Config(stage=3, offload_params=params, offload_optimizer=optim,
                          nvme_dir=str(tmp_path / f"nvme-{name}"), sub_group_size=4096, **kw)
     torch.manual_seed(0)
-    return runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
+    return outcore.Engine(TinyGPT(), cfg, outcore.AdamW(**HP))
 
 
 @pytest.mark.parametrize("params, optim, dtype, host", [
@@ -85,8 +85,8 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     e = make(tmp_path, "a")
     e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
     e.close()
-    cfg = runtime.Config(stage=3, nvme_dir=str(tmp_path / "n2"))
-    other = runtime.Engine(TinyGPT(layers=2), cfg)
+    cfg = outcore.Config(stage=3, nvme_dir=str(tmp_path / "n2"))
+    other = outcore.Engine(TinyGPT(layers=2), cfg)
     with pytest.raises(ValueError, match="different model"):
         other.load_checkpoint(str(tmp_path / "ckpt"))
     other.close()
@@ -94,7 +94,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 def test_export_loads_into_a_plain_model_with_equal_logits(tmp_path):
     ours_model, plain = twins(TinyGPT)
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"))
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"))
     _, e = train_engine(ours_model, cfg, batches(3))
     path = str(tmp_path / "model.safetensors")
     e.export(path)

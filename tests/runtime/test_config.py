@@ -3,14 +3,14 @@ import logging
 
 import pytest
 
-import runtime
-from runtime.config import Config
+import outcore
+from outcore.runtime.config import Config
 
 
 def test_defaults_validate_and_io_dicts_become_ioconfig():
     c = Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir="/tmp/x",
                io={"block_size": 1 << 20, "threads": 8})
-    assert isinstance(c.io, runtime.IOConfig) and c.io.threads == 8
+    assert isinstance(c.io, outcore.IOConfig) and c.io.threads == 8
 
 
 @pytest.mark.parametrize("kwargs, message", [

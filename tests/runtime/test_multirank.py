@@ -12,7 +12,7 @@ from helpers import assert_losses_match, train_plain, twins
 from models import TinyGPT, batches
 from safetensors.torch import load_file
 
-from tools.export import export_checkpoint
+from outcore.tools.export import export_checkpoint
 
 HERE = os.path.dirname(__file__)
 

@@ -10,10 +10,10 @@ from helpers import HP, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
 from torch import nn
 
-import runtime
-from offload import Tier
-from runtime.flat_unit import FlatUnit
-from runtime.memory_plan import device_window
+import outcore
+from outcore.offload import Tier
+from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.memory_plan import device_window
 
 OFFLOADS = ["none", "cpu", "nvme"]
 
@@ -21,7 +21,7 @@ OFFLOADS = ["none", "cpu", "nvme"]
 @pytest.mark.parametrize("params, optim", list(itertools.product(OFFLOADS, OFFLOADS)))
 def test_stage3_every_offload_combination_tied(tmp_path, params, optim):
     clip = 1.0 if (params, optim) in {("nvme", "nvme"), ("cpu", "none"), ("none", "cpu")} else None
-    cfg = runtime.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
                          grad_clip=clip)
     ours_model, ref_model = twins(TinyGPT)
     data = batches(20)
@@ -38,7 +38,7 @@ def test_stage3_every_offload_combination_tied(tmp_path, params, optim):
 @pytest.mark.parametrize("params, optim, clip", [("none", "none", None), ("nvme", "nvme", 1.0),
                                                  ("cpu", "nvme", None)])
 def test_stage3_untied(tmp_path, params, optim, clip):
-    cfg = runtime.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
                          grad_clip=clip)
     ours_model, ref_model = twins(lambda: TinyGPT(tied=False))
     data = batches(20)
@@ -50,7 +50,7 @@ def test_stage3_untied(tmp_path, params, optim, clip):
 @pytest.mark.parametrize("stage, optim, clip", [(1, "cpu", 1.0), (1, "nvme", None), (2, "cpu", None),
                                                 (2, "nvme", 1.0)])
 def test_stages_1_and_2_with_optimizer_offload(tmp_path, stage, optim, clip):
-    cfg = runtime.Config(stage=stage, offload_optimizer=optim, nvme_dir=str(tmp_path), grad_clip=clip)
+    cfg = outcore.Config(stage=stage, offload_optimizer=optim, nvme_dir=str(tmp_path), grad_clip=clip)
     ours_model, ref_model = twins(TinyGPT)
     data = batches(20)
     ours, engine = train_engine(ours_model, cfg, data)
@@ -60,7 +60,7 @@ def test_stages_1_and_2_with_optimizer_offload(tmp_path, stage, optim, clip):
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_gradient_accumulation(tmp_path, clip):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_accumulation=3, grad_clip=clip)
     ours_model, ref_model = twins(TinyGPT)
     data = batches(18)
@@ -71,7 +71,7 @@ def test_gradient_accumulation(tmp_path, clip):
 
 @pytest.mark.parametrize("optim, clip", [("cpu", 1.0), ("nvme", None)])
 def test_activation_checkpointing_refetches_correctly(tmp_path, optim, clip):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer=optim, nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer=optim, nvme_dir=str(tmp_path),
                          grad_clip=clip)
     ours_model, ref_model = twins(lambda: TinyGPT(checkpointing=True))
     ref_model.checkpointing = False  # the reference computes the same math without recomputation
@@ -98,7 +98,7 @@ class SometimesSkips(TinyGPT):
 
 
 def test_a_changed_path_is_noticed_and_stays_correct(tmp_path):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          prefetch_depth=2)
     ours_model, ref_model = twins(SometimesSkips)
     data = batches(12)
@@ -111,7 +111,7 @@ def test_a_changed_path_is_noticed_and_stays_correct(tmp_path):
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip, sub_group_size=1024)
     ours_model, ref_model = twins(TinyGPT)
     data = batches(10)
@@ -125,11 +125,11 @@ def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
 def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
     """Budgets at the engine's minimum: every fetch, prefetch and write-back goes through eviction."""
     def build(**budgets):
-        return runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+        return outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                               grad_clip=clip, sub_group_size=2048, **budgets)
 
     ours_model, ref_model = twins(TinyGPT)
-    probe = runtime.Engine(copy.deepcopy(ours_model), build())
+    probe = outcore.Engine(copy.deepcopy(ours_model), build())
     plan = probe.memory_plan()
     probe.close()
     cfg = build(device_budget=plan.device_min, host_budget=plan.host_min)
@@ -145,7 +145,7 @@ def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
 def test_an_untied_embedding_and_head_larger_than_a_block_are_units_of_their_own(tmp_path, clip):
     """Gathered only while they run, updated as soon as their gradient is done; tied, they stay in the root."""
     big_vocab = lambda tied: TinyGPT(vocab=512, d=16, heads=2, tied=tied)  # noqa: E731 - 8192-param tables
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip, prefetch_depth=2)
     ours_model, ref_model = twins(lambda: big_vocab(False))
     data = batches(12, vocab=512)
@@ -154,7 +154,7 @@ def test_an_untied_embedding_and_head_larger_than_a_block_are_units_of_their_own
     assert engine.stats()["trace_divergences"] == 0
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
-    tied = runtime.Engine(big_vocab(True), runtime.Config(stage=3, nvme_dir=str(tmp_path)))
+    tied = outcore.Engine(big_vocab(True), outcore.Config(stage=3, nvme_dir=str(tmp_path)))
     assert [u.name for u in tied.units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
     tied.close()
 
@@ -168,14 +168,14 @@ def test_a_parameter_read_outside_its_units_forward_is_a_clear_error(tmp_path):
             logits = self.ln_f(x) @ self.tok.weight.T  # `tok` ran and was released before this
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    cfg = runtime.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path))
-    engine = runtime.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False), cfg)
+    cfg = outcore.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path))
+    engine = outcore.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False), cfg)
     x, y = batches(1, vocab=512)[0]
     with pytest.raises(RuntimeError, match="read a parameter whose unit was released.*unit_classes"):
         engine(x, y)
     engine.close()
-    works = runtime.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False),
-                           runtime.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path),
+    works = outcore.Engine(ReadsEmbeddingDirectly(vocab=512, d=16, heads=2, tied=False),
+                           outcore.Config(stage=3, offload_params="cpu", nvme_dir=str(tmp_path),
                                           unit_classes=("Block",)))
     works.backward(works(x, y))
     works.step()
@@ -185,10 +185,10 @@ def test_a_parameter_read_outside_its_units_forward_is_a_clear_error(tmp_path):
 def test_one_rank_gathers_a_unit_by_borrowing_its_stored_shard(tmp_path):
     """No copy: inside forward the block's flat buffer is the store's page-aligned buffer, counted in
     the DEVICE budget, and nothing is gathered beside the store."""
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          sub_group_size=1024, grad_clip=None)
     ours_model, ref_model = twins(TinyGPT)
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     unit = next(u for u in engine.units if u.name == "blocks.1")
     assert len(unit.chunks) > 1  # optimizer chunks do not split the parameter key
     seen = []
@@ -203,10 +203,10 @@ def test_one_rank_gathers_a_unit_by_borrowing_its_stored_shard(tmp_path):
 
 
 def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to_the_device(tmp_path):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          prefetch_depth=4)
     ours_model, ref_model = twins(lambda: TinyGPT(layers=6))
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     assert engine.device_ahead == 4  # on a CPU, DEVICE is RAM too: the whole window goes there
     engine.device_ahead = device_window(4, "cuda")  # the GPU's two levels, run through the real store
     asked = []  # (tier, unit indices) of every prefetch the engine asks the real store for
@@ -252,9 +252,9 @@ def test_a_learning_rate_schedule_gives_each_step_its_own_rate(tmp_path, clip):
             torch.nn.utils.clip_grad_norm_(ref_model.parameters(), clip)
         opt.step()
         ref.append(loss.item())
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip)
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     ours = []
     for lr, (x, y) in zip(rates, data, strict=True):
         engine.lr = lr
@@ -268,10 +268,10 @@ def test_a_learning_rate_schedule_gives_each_step_its_own_rate(tmp_path, clip):
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_overlapped_updates_take_one_micro_steps_gradient_in_memory(tmp_path, accum):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_accumulation=accum, grad_clip=None)
     ours_model, ref_model = twins(TinyGPT)
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     staged = []
     real = engine.store.stage
 
@@ -296,9 +296,9 @@ def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp
     written = {}
     for roomy in (False, True):
         ours_model, _ = twins(TinyGPT)
-        cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=clip,
+        cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=clip,
                              nvme_dir=str(tmp_path / str(roomy)), host_budget=(64 << 20) if roomy else None)
-        engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+        engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
         plan = engine.memory_plan()
         assert plan.keeps_optimizer_states(engine.stats()["host"]["budget"], "nvme") is roomy
         ours, _ = train_engine(ours_model, cfg, data[:2], engine=engine)
@@ -349,7 +349,7 @@ class AliasedGradients(nn.Module):
 def test_gradients_shared_by_two_parameters_are_read_never_written(tmp_path, clip, accum):
     """The engine takes the parameters' own gradient tensors, which may alias (here a and b share
     one): scaling or accumulating them in place would change both parameters' updates."""
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip, grad_accumulation=accum, sub_group_size=1500)
     ours_model, ref_model = twins(AliasedGradients)
     data = batches(8 * accum)
@@ -363,10 +363,10 @@ def test_gradients_shared_by_two_parameters_are_read_never_written(tmp_path, cli
 def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_path, monkeypatch):
     """One rank, fp32, one micro-step: the update reads each parameter's gradient where autograd
     left it; no flat gradient is assembled (runtime/flat_unit.py [Note: unit gradients])."""
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=None)
     ours_model, ref_model = twins(TinyGPT)
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     shared = []
     real = FlatUnit.gradient_pieces
 
@@ -394,10 +394,10 @@ def test_one_rank_updates_from_autograds_own_gradients_without_copying_them(tmp_
 def test_every_forward_prefetches_the_units_ahead_once_their_updates_are_done(tmp_path, clip):
     # A finished update stays in the engine's pending table until its unit is gathered again; the
     # forward's prefetch must not take that for an update still running (it once skipped every unit).
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip, prefetch_depth=2)
     ours_model, ref_model = twins(lambda: TinyGPT(layers=4))
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     in_forward, asked = [False], []  # param keys the engine asked the store to prefetch, per forward
     real = engine.store.prefetch
 
@@ -432,10 +432,10 @@ def test_updated_parameters_stay_in_memory_for_the_next_forward(tmp_path, clip):
     # budget that holds little more than the optimizer's stream, an update leaves each shard where
     # it was, so the next forward reads nothing from NVMe (moved to HOST, each was written out and
     # read back every step).
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          grad_clip=clip, device_budget=4 << 20, host_budget=96 << 10, sub_group_size=1024)
     ours_model, ref_model = twins(lambda: TinyGPT(layers=4, tied=False))
-    engine = runtime.Engine(ours_model, cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     data, losses, forward_reads = batches(4), [], []
     for x, y in data:
         engine.synchronize()  # the last step's updates (and their write-backs) are done

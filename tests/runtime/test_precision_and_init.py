@@ -5,12 +5,12 @@ import torch
 from helpers import HP, train_engine, train_plain, twins
 from models import TinyGPT, batches
 
-import runtime
+import outcore
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_tracks_fp32_and_keeps_fp32_masters(tmp_path, dtype):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          dtype=dtype)
     ours_model, ref_model = twins(TinyGPT)
     data = batches(15)
@@ -24,16 +24,16 @@ def test_mixed_precision_tracks_fp32_and_keeps_fp32_masters(tmp_path, dtype):
         assert engine.scaler.scale == 2.0**15 and engine.global_step == len(data) - 1
     sd = engine.full_state_dict()
     assert sd["blocks.0.mlp.0.weight"].dtype == (torch.bfloat16 if dtype == "bf16" else torch.float16)
-    state = engine.store.fetch(engine.units[0].chunks[0].opt_key, runtime.engine.Tier.HOST).result()
+    state = engine.store.fetch(engine.units[0].chunks[0].opt_key, outcore.runtime.engine.Tier.HOST).result()
     assert state.dtype == torch.float32
     engine.store.release(engine.units[0].chunks[0].opt_key)
     engine.close()
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
-    cfg = runtime.Config(stage=3, offload_optimizer="cpu", nvme_dir=str(tmp_path), dtype="fp16")
+    cfg = outcore.Config(stage=3, offload_optimizer="cpu", nvme_dir=str(tmp_path), dtype="fp16")
     torch.manual_seed(0)
-    engine = runtime.Engine(TinyGPT(), cfg, runtime.AdamW(**HP))
+    engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(**HP))
     before = engine.full_state_dict()
     engine.scaler.scale = 2.0**40  # fp16 gradients of a loss scaled this far overflow
     x, y = batches(1)[0]
@@ -50,12 +50,12 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
 
 def test_deferred_init_is_reproducible_and_never_whole(tmp_path):
     def build(seed):
-        with runtime.deferred_init():
+        with outcore.deferred_init():
             model = TinyGPT(layers=4)
         assert all(p.is_meta for p in model.parameters())
-        cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
+        cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
                              nvme_dir=str(tmp_path / f"n{seed}{torch.rand(1).item()}"))
-        return runtime.Engine(model, cfg, seed=seed)
+        return outcore.Engine(model, cfg, seed=seed)
 
     a, b, c = build(1), build(1), build(2)
     sa, sb, sc = a.full_state_dict(), b.full_state_dict(), c.full_state_dict()
@@ -69,25 +69,25 @@ def test_deferred_init_is_reproducible_and_never_whole(tmp_path):
 
 
 def test_budgets_too_small_fail_before_training(tmp_path):
-    cfg = runtime.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
                          host_budget=8192)
     with pytest.raises(ValueError, match="host_budget=8,192 bytes .* raise it to at least"):
-        runtime.Engine(TinyGPT(), cfg)
+        outcore.Engine(TinyGPT(), cfg)
 
 
 def test_units_are_the_repeated_blocks_or_the_named_classes(tmp_path):
-    engine = runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "a")))
+    engine = outcore.Engine(TinyGPT(), outcore.Config(stage=3, nvme_dir=str(tmp_path / "a")))
     assert [u.name for u in engine.units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
     root = engine.units[-1]
     tied = [s for s in root.plan.slots if len(s.state_dict_names) == 2]
     assert len(tied) == 1 and sorted(tied[0].state_dict_names) == ["head.weight", "tok.weight"]
     engine.close()
-    by_class = runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "b"),
+    by_class = outcore.Engine(TinyGPT(), outcore.Config(stage=3, nvme_dir=str(tmp_path / "b"),
                                                         unit_classes=("Sequential",)))
     assert [u.name for u in by_class.units] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp", "<root>"]
     by_class.close()
     with pytest.raises(ValueError, match="matches no module"):
-        runtime.Engine(TinyGPT(), runtime.Config(stage=3, nvme_dir=str(tmp_path / "c"), unit_classes=("Nope",)))
+        outcore.Engine(TinyGPT(), outcore.Config(stage=3, nvme_dir=str(tmp_path / "c"), unit_classes=("Nope",)))
 
 
 class Bare(torch.nn.Module):
@@ -102,13 +102,13 @@ class Bare(torch.nn.Module):
 
 
 def test_deferred_init_refuses_what_it_cannot_initialize(tmp_path):
-    with runtime.deferred_init():
+    with outcore.deferred_init():
         model = Bare()
     with pytest.raises(ValueError, match="Bare .* no reset_parameters.*init_fn"):
-        runtime.Engine(model, runtime.Config(stage=3, nvme_dir=str(tmp_path / "a")))
-    with runtime.deferred_init():
+        outcore.Engine(model, outcore.Config(stage=3, nvme_dir=str(tmp_path / "a")))
+    with outcore.deferred_init():
         model = Bare()
-    engine = runtime.Engine(model, runtime.Config(stage=3, nvme_dir=str(tmp_path / "b")),
+    engine = outcore.Engine(model, outcore.Config(stage=3, nvme_dir=str(tmp_path / "b")),
                             init_fn=lambda m: m.w.fill_(0.5) if isinstance(m, Bare) else None)
     assert torch.equal(engine.full_state_dict()["w"], torch.full((4,), 0.5))
     engine.close()

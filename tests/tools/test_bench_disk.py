@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from tools.bench_disk import bench_disk
-from tools.cli import main
-from tools.units import parse_list, parse_size
+from outcore.tools.bench_disk import bench_disk
+from outcore.tools.cli import main
+from outcore.tools.units import parse_list, parse_size
 
 
 def test_sizes_parse_as_binary_multiples():
@@ -55,6 +55,6 @@ def test_a_size_that_does_not_parse_exits_2(capsys):
 
 
 def test_bench_disk_does_not_import_torch():
-    code = "import sys, tools.cli, tools.bench_disk; print('torch' in sys.modules)"
+    code = "import sys, outcore.tools.cli, outcore.tools.bench_disk; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", "bench-disk's memory bound leaves no room for torch's ~200 MB"

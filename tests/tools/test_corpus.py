@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tools.corpus import ByteCorpus, Segment, batch_generator, file_corpus, stdlib_corpus, stdlib_sources
+from outcore.tools.corpus import ByteCorpus, Segment, batch_generator, file_corpus, stdlib_corpus, stdlib_sources
 
 
 def test_windows_spanning_files_read_the_concatenated_bytes(tmp_path):

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import runtime
-from offload import Tier
-from offload.io_config import round_up
-from tools.estimate import estimate, legal_settings
-from tools.model_source import resolve_model, unit_numels
+import outcore
+from outcore.offload import Tier
+from outcore.offload.io_config import round_up
+from outcore.tools.estimate import estimate, legal_settings
+from outcore.tools.model_source import resolve_model, unit_numels
 
 SETTINGS = [(3, "nvme", "nvme", 1.0), (3, "nvme", "nvme", None), (3, "cpu", "cpu", 1.0), (3, "none", "none", 1.0),
             (3, "none", "nvme", None), (2, "none", "cpu", 1.0), (3, "cpu", "nvme", 1.0)]
@@ -20,11 +20,11 @@ def _within(measured: int, estimated: int, tol: float = 0.10) -> bool:
 @pytest.mark.parametrize(("stage", "params", "opt", "clip"), SETTINGS)
 def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
     source = resolve_model("tiny")
-    with runtime.deferred_init():
+    with outcore.deferred_init():
         model = source.build()
-    config = runtime.Config(stage=stage, offload_params=params, offload_optimizer=opt, nvme_dir=str(tmp_path),
+    config = outcore.Config(stage=stage, offload_params=params, offload_optimizer=opt, nvme_dir=str(tmp_path),
                             dtype="fp32", grad_clip=clip)
-    engine = runtime.Engine(model, config, init_fn=source.init_fn)
+    engine = outcore.Engine(model, config, init_fn=source.init_fn)
     try:
         gen = torch.Generator().manual_seed(0)
         # Peaks of steady steps: the first records the trace, the second is the first to prefetch,
@@ -63,7 +63,7 @@ def test_legal_settings_follow_the_config_rules():
     assert len(all_) == 15 and (3, "nvme", "nvme") in all_ and (2, "cpu", "none") not in all_
     assert legal_settings(stage=3, offload_params="nvme") == [(3, "nvme", o) for o in ("none", "cpu", "nvme")]
     for st, op, oo in all_:
-        runtime.Config(stage=st, offload_params=op, offload_optimizer=oo, nvme_dir="/tmp")  # accepted
+        outcore.Config(stage=st, offload_params=op, offload_optimizer=oo, nvme_dir="/tmp")  # accepted
 
 
 def test_fp32_masters_are_the_parameter_shards_unless_a_gpu_keeps_its_parameters():

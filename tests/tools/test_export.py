@@ -6,19 +6,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import runtime
-from offload import StorageCorruptError
-from tools.cli import main
-from tools.export import export_checkpoint
-from tools.gpt import GPT, PRESETS, init_fn
+import outcore
+from outcore.offload import StorageCorruptError
+from outcore.tools.cli import main
+from outcore.tools.export import export_checkpoint
+from outcore.tools.gpt import GPT, PRESETS, init_fn
 
 
 def _trained_engine(tmp_path, dtype="fp32", **cfg):
     gpt = PRESETS["tiny"]
-    with runtime.deferred_init():
+    with outcore.deferred_init():
         model = GPT(gpt)
-    config = runtime.Config(nvme_dir=str(tmp_path / "nvme"), dtype=dtype, sub_group_size=5000, **cfg)
-    engine = runtime.Engine(model, config, runtime.AdamW(lr=1e-3), init_fn=init_fn(gpt))
+    config = outcore.Config(nvme_dir=str(tmp_path / "nvme"), dtype=dtype, sub_group_size=5000, **cfg)
+    engine = outcore.Engine(model, config, outcore.AdamW(lr=1e-3), init_fn=init_fn(gpt))
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randint(0, 256, (2, 32), generator=gen)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tools.fio import fio_available, fio_mixed_throughput
+from outcore.tools.fio import fio_available, fio_mixed_throughput
 
 pytestmark = pytest.mark.skipif(not fio_available(), reason="fio is not installed")
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from tools.cli import main
-from tools.train import TrainOptions, lr_at, train
+from outcore.tools.cli import main
+from outcore.tools.train import TrainOptions, lr_at, train
 
 
 def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
     out = tmp_path / "summary.json"
-    res = subprocess.run([sys.executable, "-m", "tools.cli", "train", "--preset", "tiny", "--steps", "30",
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.cli", "train", "--preset", "tiny", "--steps", "30",
                           "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert res.returncode == 0, res.stderr[-2000:]

@@ -3,15 +3,15 @@
 import dataclasses
 import json
 
-import runtime
-from tools.cli import main
-from tools.train import TrainOptions, train
-from tools.tune import tune
+import outcore
+from outcore.tools.cli import main
+from outcore.tools.train import TrainOptions, train
+from outcore.tools.tune import tune
 
 
 def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    base = runtime.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+    base = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
                           host_budget=32 << 20, grad_clip=None)
     base.to_file(tmp_path / "base.json")
     argv = ["tune", "--config", "base.json", "--model", "tiny", "--steps", "1", "--batch", "2", "--seq", "64",
@@ -32,7 +32,7 @@ def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeyp
     written = json.loads((tmp_path / "tuned.json").read_text())
     assert written == report["best"]
     assert fastest["step_seconds"] * 1.02 >= min(c["step_seconds"] for c in cands)
-    loaded = runtime.Config.from_file(tmp_path / "tuned.json")
+    loaded = outcore.Config.from_file(tmp_path / "tuned.json")
     assert loaded.to_dict() == written  # every key written is one the runtime reads, unchanged
     assert "fastest (*) written to tuned.json" in printed
     s = train(TrainOptions(config="tuned.json", steps=3, batch=2, seq=64, save_final=False), report=lambda _: None)
@@ -40,7 +40,7 @@ def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeyp
 
 
 def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path):
-    base = runtime.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"),
+    base = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"),
                           host_budget=4096)  # far below the optimizer's working set
     try:
         tune(dataclasses.replace(base), "tiny", steps=1, sweep={"prefetch_depth": [1]})
