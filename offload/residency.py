@@ -14,10 +14,12 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the tiers are torch-free, for the command line's torch-free paths
+    import torch
 
-from outcore.offload.buffers import Buffer
+    from outcore.offload.buffers import Buffer
 
 
 class Tier(enum.IntEnum):
@@ -79,6 +81,10 @@ class KeyRecord:
     move: Move | None = None
     prefetched: bool = False  # landed by prefetch, not fetched since
     last_use: int = 0  # store clock at the last fetch or release, for LRU eviction
+    home: Tier = Tier.NVME  # the tier it was put in
+    # The owner's hint: once changed (a dirty release), send it back to `home` at once rather than
+    # when the store next needs the room (optimizer states streamed through HOST).
+    return_home: bool = False
 
     def to(self, new: Residency) -> None:
         assert new in LEGAL[self.state], f"{self.key!r}: illegal residency change {self.state} -> {new}"

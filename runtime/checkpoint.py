@@ -28,32 +28,32 @@ from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
 if TYPE_CHECKING:
-    from outcore.runtime.engine import Engine
+    from outcore.runtime.sharded_model import ShardedModel
 
 FORMAT = 1
 
 
-def _barrier(engine: Engine) -> None:
-    if engine.group.world > 1:
+def _barrier(sm: ShardedModel) -> None:
+    if sm.group.world > 1:
         dist.barrier()
 
 
-def _gather(engine: Engine, value):
-    if engine.group.world == 1:
+def _gather(sm: ShardedModel, value):
+    if sm.group.world == 1:
         return [value]
-    out = [None] * engine.group.world
+    out = [None] * sm.group.world
     dist.all_gather_object(out, value)
     return out
 
 
-def _layout(engine: Engine) -> list[dict]:
+def _layout(sm: ShardedModel) -> list[dict]:
     """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
     needs to rebuild the model's tensors from the rank files without the model)."""
     return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
              "chunks": [[c.start, c.end] for c in u.chunks],
              "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
                         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)]}
-            for u in engine.units]
+            for u in sm.units]
 
 
 BUFFER_PREFIX = "buffer."  # model buffers (running statistics and the like) ride in every rank's file
@@ -67,26 +67,27 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
-    """Write the engine's training state under `directory/tag`; every rank calls it."""
+def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) -> str:
+    """Write the model's training state under `directory/tag`; every rank calls it. `progress`:
+    the engine's own counters for meta.json (step, lr, loss_scale, config)."""
     if not tag or "/" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
-    engine._wait_updates()
+    sm.settle()
     final = os.path.join(directory, tag)
     tmp = os.path.join(directory, f".{tag}.tmp")
-    if engine.group.rank == 0:
+    if sm.group.rank == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier(engine)
-    name = f"rank{engine.group.rank}.safetensors"
+    _barrier(sm)
+    name = f"rank{sm.group.rank}.safetensors"
     path = os.path.join(tmp, name)
-    store, place = engine.store, engine.place
-    chunks = [c for u in engine.units for c in u.chunks]
-    buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in engine.model.state_dict().items()}
+    store, place = sm.store, sm.place
+    chunks = [c for u in sm.units for c in u.chunks]
+    buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in sm.model.state_dict().items()}
     writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
                                + [(k, v.dtype, tuple(v.shape)) for k, v in buffers.items()])
-    for u in engine.units:
+    for u in sm.units:
         # fp32: the master is the parameter shard, and the state holds [m|v] after it.
         lent = u.master_is_param and not u.aliased
         shard = None
@@ -109,12 +110,12 @@ def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
     for k, v in buffers.items():
         writer.write(k, v)
     writer.close()
-    crcs = _gather(engine, (name, f"{file_crc32(path):08x}"))
-    if engine.group.rank == 0:
-        meta = {"format": FORMAT, "tag": tag, "step": engine.global_step, "world_size": engine.group.world,
-                "lr": engine.lr, "loss_scale": engine.scaler.state_dict(), "config": engine.config.to_dict(),
-                "units": _layout(engine), "unit_steps": [u.opt_steps for u in engine.units],
-                "state_dict_keys": engine._state_dict_keys, "files": dict(crcs)}
+    crcs = _gather(sm, (name, f"{file_crc32(path):08x}"))
+    if sm.group.rank == 0:
+        meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
+                "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
+                "units": _layout(sm), "unit_steps": list(sm.updates.steps),
+                "state_dict_keys": sm.state_dict_keys, "files": dict(crcs)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
             f.flush()
@@ -132,7 +133,7 @@ def save_checkpoint(engine: Engine, directory: str, tag: str) -> str:
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(directory, "latest"))
         _fsync_dir(directory)
-    _barrier(engine)
+    _barrier(sm)
     return final
 
 
@@ -170,36 +171,35 @@ def verify_rank_file(folder: str, meta: dict, name: str, *, checksum: bool = Tru
     return path
 
 
-def load_checkpoint(engine: Engine, directory: str, tag: str | None = None) -> dict:
-    """Restore a checkpoint written by `save_checkpoint` exactly; every rank calls it."""
-    engine._wait_updates()
+def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) -> dict:
+    """Restore the model states of a checkpoint written by `save_checkpoint` exactly; every rank
+    calls it. Returns its meta.json, whose step, lr and loss scale the engine restores itself."""
+    sm.settle()
     tag = resolve_tag(directory, tag)
     folder = os.path.join(directory, tag)
     meta = read_meta(folder)
-    if meta.get("world_size") != engine.group.world:
+    if meta.get("world_size") != sm.group.world:
         raise ValueError(f"checkpoint {folder!r} was written by {meta.get('world_size')} ranks, this run has "
-                         f"{engine.group.world}; resume with the same world size.")
-    if meta.get("units") != _layout(engine):
+                         f"{sm.group.world}; resume with the same world size.")
+    if meta.get("units") != _layout(sm):
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
                          "(unit layout differs); build the same model with the same unit_classes.")
-    name = f"rank{engine.group.rank}.safetensors"
+    name = f"rank{sm.group.rank}.safetensors"
     path = verify_rank_file(folder, meta, name)
-    store, place = engine.store, engine.place
+    store, place = sm.store, sm.place
     with safe_open(path, framework="pt") as f, ParamWriter(store, place, in_place=False) as params:
-        for u in engine.units:
+        for u in sm.units:
             for c in u.chunks:
                 state = f.get_tensor(c.opt_key)
-                store.put(c.opt_key, state[c.numel :] if u.master_is_param else state, place.opt_tier)
+                store.put(c.opt_key, state[c.numel :] if u.master_is_param else state, place.opt_tier,
+                          return_home=place.opt_returns_home)
                 params.write(c, state[: c.numel])
             if u.resident:
-                u.refresh_resident()
+                u.refresh()
         buffers = {k[len(BUFFER_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(BUFFER_PREFIX)}
     if buffers:
-        engine.model.load_state_dict(buffers, strict=False)
-    for u, steps in zip(engine.units, meta["unit_steps"], strict=True):
-        u.opt_steps = int(steps)
-    engine.global_step = int(meta["step"])
-    engine.lr = float(meta["lr"])
-    engine.scaler.load_state_dict(meta["loss_scale"])
-    engine._reset_accumulation(drop_grads=True)
+        sm.model.load_state_dict(buffers, strict=False)
+    steps = [int(n) for n in meta["unit_steps"]]
+    assert len(steps) == len(sm.updates.steps)  # the layout matched
+    sm.updates.steps[:] = steps
     return meta

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from outcore.offload.io_config import IOConfig
-
-log = logging.getLogger(__name__)
-
-OFFLOAD_CHOICES = ("none", "cpu", "nvme")
-DTYPES = ("fp32", "bf16", "fp16")
+from outcore.runtime.deepspeed_config import translate_deepspeed
+from outcore.runtime.policy import DTYPES, OFFLOADS
 
 
 @dataclass
@@ -61,8 +57,8 @@ class Config:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: use 1, 2 or 3.")
         for key in ("offload_params", "offload_optimizer"):
-            if getattr(self, key) not in OFFLOAD_CHOICES:
-                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {', '.join(OFFLOAD_CHOICES)}.")
+            if getattr(self, key) not in OFFLOADS:
+                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {', '.join(OFFLOADS)}.")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1 and 2 keep whole "
                              "parameters on every rank); set stage=3 or offload_params='none'.")
@@ -136,7 +132,7 @@ class Config:
     @classmethod
     def from_deepspeed(cls, ds: dict[str, Any]) -> Config:
         """Translate a DeepSpeed ds_config; every key read but not used is warned about once."""
-        return cls.from_dict(_translate_deepspeed(ds))
+        return cls.from_dict(translate_deepspeed(ds))
 
 
 def _build(cls, data: dict[str, Any], what: str):
@@ -148,67 +144,3 @@ def _build(cls, data: dict[str, Any], what: str):
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"{what}: {e}") from e
-
-
-def _translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    io: dict[str, Any] = {}
-
-    def ignored(key: str) -> None:
-        log.warning("from_deepspeed: %s is not used by outcore and was ignored", key)
-
-    def given(v: Any) -> bool:
-        return v is not None and v != "auto"
-
-    for key, value in ds.items():
-        if key == "zero_optimization":
-            z = value or {}
-            if given(z.get("stage")):
-                out["stage"] = int(z["stage"])
-            if given(z.get("sub_group_size")):
-                out["sub_group_size"] = int(z["sub_group_size"])
-            for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
-                o = z.get(ds_key)
-                if not o:
-                    continue
-                out[ours] = o.get("device", "none")
-                if o.get("nvme_path"):
-                    out["nvme_dir"] = o["nvme_path"]
-                for sub in sorted(set(o) - {"device", "nvme_path"}):
-                    ignored(f"zero_optimization.{ds_key}.{sub}")
-            for sub in sorted(set(z) - {"stage", "sub_group_size", "offload_param", "offload_optimizer"}):
-                ignored(f"zero_optimization.{sub}")
-        elif key == "aio":
-            for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
-                                 ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
-                if given(value.get(ds_key)):
-                    io[ours] = int(value[ds_key])
-            for sub in sorted(set(value) - {"block_size", "queue_depth", "intra_op_parallelism", "thread_count"}):
-                ignored(f"aio.{sub}")
-        elif key in ("bf16", "fp16"):
-            if value.get("enabled") and value.get("enabled") != "auto":
-                out["dtype"] = key
-            for sub in sorted(set(value) - {"enabled"}):
-                ignored(f"{key}.{sub}")
-        elif key == "gradient_clipping":
-            if given(value):
-                out["grad_clip"] = float(value) if float(value) > 0 else None
-        elif key == "gradient_accumulation_steps":
-            if given(value):
-                out["grad_accumulation"] = int(value)
-        elif key == "optimizer":
-            kind = str(value.get("type", "AdamW")).lower()
-            if kind not in ("adamw", "adam"):
-                raise ValueError(f"optimizer.type={value.get('type')!r}: outcore provides AdamW only.")
-            params = value.get("params", {})
-            opt = {k: params[k] for k in ("lr", "eps", "weight_decay") if given(params.get(k))}
-            if given(params.get("betas")):
-                opt["betas"] = tuple(params["betas"])
-            for sub in sorted(set(params) - {"lr", "betas", "eps", "weight_decay"}):
-                ignored(f"optimizer.params.{sub}")
-            out["optimizer"] = opt
-        else:
-            ignored(key)
-    if io:
-        out["io"] = io
-    return out

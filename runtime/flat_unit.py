@@ -3,9 +3,10 @@
 [Note: unit states] SHARDED: only this rank's shard exists, in the store (key `u<i>.param`); the
 flat buffer's storage has size 0. UNSHARDED: the flat buffer holds the whole unit (gathered from
 every rank's shard) and the modules' parameter attributes are views of it. `unshard()` and
-`reshard()` are the only transitions. A *resident* unit never reshards: stages 1 and 2 keep whole
-parameters, and a single rank whose parameters rest on DEVICE aliases the flat buffer to the stored
-shard itself, so nothing is copied.
+`reshard()` are the only transitions (`alias_shard()` once, for an aliased unit), each asserting
+the state it starts from; `refresh()` refills a resident unit in place. A *resident* unit never
+reshards: stages 1 and 2 keep whole parameters, and a single rank whose parameters rest on DEVICE
+aliases the flat buffer to the stored shard itself, so nothing is copied.
 
 [Note: borrowed shards] With one rank the shard *is* the whole unit, so `unshard()` does not copy
 it: the flat buffer's storage swaps memory with the store's buffer of the fetched shard
@@ -39,6 +40,7 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
+from outcore.runtime.policy import StatePolicy
 from outcore.runtime.units import UnitPlan
 
 
@@ -100,33 +102,29 @@ class Chunk:
 class FlatUnit:
     """A unit's flat parameters and the store keys of its shard's chunks."""
 
-    def __init__(self, plan: UnitPlan, layout: Layout, dtype: torch.dtype, device: torch.device,
-                 group: Group, store: TieredStore, *, resident: bool, chunk_elems: int,
-                 master_is_param: bool) -> None:
+    def __init__(self, plan: UnitPlan, layout: Layout, policy: StatePolicy, device: torch.device,
+                 group: Group, store: TieredStore) -> None:
         self.plan = plan
         self.index = plan.index
         self.layout = layout
-        self.dtype = dtype
+        self.dtype = policy.torch_dtype
         self.device = device
         self.group = group
         self.store = store
-        self.resident = resident
-        step = max(1, min(chunk_elems, layout.shard))
-        self.chunks = [Chunk(self, c, a, min(a + step, layout.shard))
-                       for c, a in enumerate(range(0, layout.shard, step))]
+        self.resident = policy.resident
+        self.chunks = [Chunk(self, c, a, b) for c, (a, b) in enumerate(policy.chunk_bounds(layout.shard))]
         self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
-        self.flat = torch.empty(layout.padded, dtype=dtype, device=device).requires_grad_()
+        self.flat = torch.empty(layout.padded, dtype=self.dtype, device=device).requires_grad_()
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
         # fp32: the parameter shard is the master weights, and chunk states are [m|v] (runtime/optimizer.py).
-        self.master_is_param = master_is_param
+        self.master_is_param = policy.master_is_param
         # Called with the parameters' gradients when backward has finished with the unit (runtime/hooks.py).
         self.on_gradient: Callable[[list[torch.Tensor | None]], None] | None = None
         self.wait_seconds = 0.0  # time spent waiting for the store
-        self.opt_steps = 0  # optimizer updates this unit has taken (AdamW bias correction)
 
     @property
     def aliased(self) -> bool:
@@ -141,6 +139,7 @@ class FlatUnit:
         """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good).
         With `master_is_param` the fused update then writes the live parameters, nothing copied."""
         assert self.group.world == 1 and self.resident and len(self.chunks) == 1
+        assert self.state is UnitState.SHARDED, f"{self.name}: already gathered"
         shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
         self.flat = shard.detach().requires_grad_()
         self._aliased = True
@@ -148,8 +147,7 @@ class FlatUnit:
 
     def unshard(self) -> None:
         """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
-        if self.state is UnitState.UNSHARDED:
-            return
+        assert self.state is UnitState.SHARDED, f"{self.name}: unshard() of a gathered unit"
         if self.group.world == 1 and not self.resident:
             self._borrow()
             self.state = UnitState.UNSHARDED
@@ -242,13 +240,14 @@ class FlatUnit:
         flats.append(torch.zeros(self.layout.padded - self.layout.numel, dtype=self.dtype, device=self.device))
         return flats
 
-    def refresh_resident(self) -> None:
-        """After an update: bring a resident unit's whole parameters up to date."""
-        assert self.resident
+    def refresh(self) -> None:
+        """After an update: refill a resident unit's whole parameters from the updated shards, in
+        place (it stays UNSHARDED; the views autograd holds read the new values)."""
+        assert self.resident and self.state is UnitState.UNSHARDED, f"{self.name}: refresh() of a non-resident unit"
         if self._aliased:
             return  # the update wrote into the shard, which is the flat buffer
-        self.state = UnitState.SHARDED
-        self.unshard()
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
+            self._gather_into(self.flat)
 
     def full_values(self) -> torch.Tensor:
         """The whole unit's parameters gathered into a new buffer (for state dicts and export)."""

@@ -10,22 +10,29 @@ and released only when its own gradient is complete.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from outcore.runtime.flat_unit import FlatUnit
 
-if TYPE_CHECKING:
-    from outcore.runtime.engine import Engine
+
+class UnitHookTarget(Protocol):
+    """What the hooks call: the engine's four moments in a unit's step."""
+
+    def unit_forward_start(self, unit: FlatUnit) -> None: ...
+    def unit_forward_end(self, unit: FlatUnit) -> None: ...
+    def unit_backward_start(self, unit: FlatUnit) -> None: ...
+    def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None: ...
 
 
-def _grad_tensors(output) -> list[torch.Tensor]:
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def register_unit_hooks(engine: Engine, unit: FlatUnit, *, is_root: bool) -> list:
+def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool) -> list[Any]:
     """Wire `unit` to `engine`; returns the handles (removed by `Engine.close`)."""
     module = unit.plan.module
 
@@ -45,7 +52,7 @@ def register_unit_hooks(engine: Engine, unit: FlatUnit, *, is_root: bool) -> lis
     return handles
 
 
-def register_grad_hook(engine: Engine, unit: FlatUnit) -> _GradientCallback:
+def register_grad_hook(engine: UnitHookTarget, unit: FlatUnit) -> _GradientCallback:
     """The unit's gradient is complete once autograd has run its views' backward."""
     return _GradientCallback(unit, lambda grads: engine.unit_grad_ready(unit, grads))
 
@@ -53,7 +60,7 @@ def register_grad_hook(engine: Engine, unit: FlatUnit) -> _GradientCallback:
 class _GradientCallback:
     """Sets `unit.on_gradient` until `remove()`, like the handles torch's hooks return."""
 
-    def __init__(self, unit: FlatUnit, callback) -> None:
+    def __init__(self, unit: FlatUnit, callback: Callable[[list[torch.Tensor | None]], None]) -> None:
         self.unit = unit
         unit.on_gradient = callback
 

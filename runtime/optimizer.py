@@ -2,16 +2,17 @@
 
 [Note: optimizer state] Each chunk of a unit's shard keeps its fp32 optimizer state under one key:
 `[exp_avg | exp_avg_sq]` when the unit's fp32 parameter shard is its master (fp32 training; see
-`outcore.runtime.memory_plan.master_is_param`), `[master | exp_avg | exp_avg_sq]` when the parameters are
+`StatePolicy.master_is_param`), `[master | exp_avg | exp_avg_sq]` when the parameters are
 bf16 or fp16. Reading and writing a chunk is then one large sequential request each, and the
 pipeline holds a few chunks, never a whole large unit. The update is `torch._fused_adamw_`, the
 kernel behind `torch.optim.AdamW(fused=True)`: bias correction and decoupled weight decay exactly
-as torch.optim.AdamW computes them. The caller advances `unit.opt_steps` once all of a unit's
-chunks are updated.
+as torch.optim.AdamW computes them. The caller keeps each unit's step count and advances it once
+all of the unit's chunks are updated (runtime/update_stream.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.offload.store import StagedPut
 from outcore.runtime.flat_unit import Chunk
+from outcore.runtime.policy import Placement
 
 
 @dataclass
@@ -39,18 +41,6 @@ class AdamW:
         self.betas = tuple(self.betas)
 
 
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a unit's states rest and where its update runs."""
-
-    param_tier: Tier  # where parameter shards rest
-    opt_tier: Tier  # where [master|m|v] rests
-    work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
-    # States resting on NVMe are written back right after their update; False: they stay where
-    # they were updated until evicted (see `MemoryPlan.keeps_optimizer_states`).
-    write_back: bool = True
-
-
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
     """A new chunk's state: [0 | 0], or [master | 0 | 0] `with_master`."""
     n = master.numel()
@@ -60,8 +50,9 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
     return state
 
 
-def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter, *,
-                  lr: float, grad_scale: float, grads: list[list[torch.Tensor]] | None = None) -> None:
+def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter,
+                  unit_steps: Sequence[int], *, lr: float, grad_scale: float,
+                  grads: list[list[torch.Tensor]] | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -69,6 +60,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     `params` lends the masters that are parameter shards and takes the others' new values.
+    `unit_steps`: updates each unit has taken before this one, by unit index.
     `grads`: the chunks' gradients handed over in memory, each chunk's as flat pieces covering it in
     order (`FlatUnit.gradient_pieces`; read only); without them they are read from the store (and
     dropped from it after the update).
@@ -76,10 +68,15 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     stored = grads is None
     assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
     states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
-    if stored:
+    if grads is None:
         grads = [[store.fetch(c.grad_key, place.work_tier).result()] for c in chunks]
     try:
-        masters, flat_masters, flat_grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
+        masters: list[torch.Tensor] = []
+        flat_masters: list[torch.Tensor] = []
+        flat_grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
         for c, st, parts in zip(chunks, states, grads, strict=True):
             if c.unit.master_is_param:
                 master = params.master(c)
@@ -94,7 +91,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             flat_grads.extend(parts)
             # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no
             # gradient in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
-            step = torch.tensor(float(c.unit.opt_steps + 1), dtype=torch.float32, device=st.device)
+            step = torch.tensor(float(unit_steps[c.unit.index] + 1), dtype=torch.float32, device=st.device)
             steps.extend([step] * len(parts))
         if grad_scale != 1.0:
             torch._foreach_mul_(flat_grads, grad_scale)
@@ -107,13 +104,12 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
         for c in chunks:
             if stored:
                 store.release(c.grad_key)
+            # Put with `return_home` when written back after each update (`Placement.opt_returns_home`):
+            # the store then sends it to NVMe in the background, and HOST is free for the next chunk.
             store.release(c.opt_key, dirty=True)
     if stored:
         for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
             store.delete(c.grad_key)
-    if place.opt_tier == Tier.NVME and place.write_back:
-        for c in chunks:
-            store.evict(c.opt_key, Tier.NVME)  # written back in the background; HOST is free for the next
 
 
 # [Note: updated parameters stay put]
@@ -166,11 +162,10 @@ class ParamWriter:
         unit = chunk.unit
         if self.in_place and unit.master_is_param:
             if not unit.aliased and _count_down(self._lent, unit.param_key) is not None:
+                # Resting in HOST, the store sends it back there (its `return_home` hint; a CPU: no
+                # copy); resting on NVMe, it stays where the update found it, dirty, until the store
+                # needs the room: see [Note: updated parameters stay put].
                 self.store.release(unit.param_key, dirty=True)
-                if self.place.param_tier == Tier.HOST:
-                    self.store.evict(unit.param_key, Tier.HOST)  # back where it rests (a CPU: no copy)
-                # Resting on NVMe, it stays where the update found it, dirty, until the store needs
-                # the room: see [Note: updated parameters stay put].
             return
         if unit.aliased:  # the stored shard is the live flat buffer: update it in place
             with torch.no_grad():
@@ -180,7 +175,8 @@ class ParamWriter:
             # Parameters resting on NVMe are put in HOST, dirty: while there is room the next forward
             # reads them from memory, and only eviction under pressure writes them to the swap file.
             tier = Tier.HOST if self.place.param_tier == Tier.NVME else self.place.param_tier
-            staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier)
+            staged = self.store.stage(unit.param_key, (unit.layout.shard,), unit.dtype, tier,
+                                      return_home=self.place.param_returns_home)
             self._staged[unit.param_key] = (staged, len(unit.chunks))
         staged = self._staged[unit.param_key][0]
         staged.tensor[chunk.start : chunk.end].copy_(master)

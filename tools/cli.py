@@ -7,11 +7,11 @@ import logging
 import os
 import sys
 
+from outcore.runtime.policy import OFFLOADS
 from outcore.tools.presets import PRESETS
 from outcore.tools.units import human_bytes, parse_count, parse_list, parse_size
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
-OFFLOADS = ("none", "cpu", "nvme")
 PRESET_NAMES = [name for name in PRESETS if not name.startswith("bench")]
 
 

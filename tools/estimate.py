@@ -7,12 +7,9 @@ device), a GPT of about that size for `--params`.
 
 from __future__ import annotations
 
-from outcore.runtime.engine import DTYPES
 from outcore.runtime.flat_unit import padded_numel
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
-
-ELEM = {name: dtype.itemsize for name, dtype in DTYPES.items()}
-OFFLOADS = ("none", "cpu", "nvme")
+from outcore.runtime.policy import OFFLOADS, StatePolicy
 
 
 def legal_settings(stage: int | None = None, offload_params: str | None = None,
@@ -35,13 +32,12 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
     Without clipping (and not fp16) the engine updates each unit during backward, so gradients of
     one unit at a time are held instead of all of them. `device`: "cuda" or "cpu" (DEVICE is RAM too,
     and the whole prefetch window is on it)."""
-    elem = ELEM[dtype]
-    padded = [padded_numel(n, world, elem) for n in unit_numels]
-    return plan_memory([p // world for p in padded], padded, elem=elem, world=world, stage=stage,
-                       offload_params=offload_params, offload_optimizer=offload_optimizer,
-                       prefetch_depth=prefetch_depth, sub_group_size=sub_group_size, fp32=dtype == "fp32",
-                       overlapped=grad_clip is None and dtype != "fp16", device_type=device,
-                       grad_accumulation=grad_accumulation)
+    policy = StatePolicy(world=world, stage=stage, offload_params=offload_params,
+                         offload_optimizer=offload_optimizer, dtype=dtype, device_type=device,
+                         prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
+                         clipping=grad_clip is not None, grad_accumulation=grad_accumulation)
+    padded = [padded_numel(n, world, policy.elem) for n in unit_numels]
+    return plan_memory([p // world for p in padded], padded, policy)
 
 
 def estimate_table(unit_numels: list[int], settings: list[tuple[int, str, str]], **kw) -> list[dict]:

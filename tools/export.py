@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from outcore.offload import StorageCorruptError
 from outcore.runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
-from outcore.runtime.engine import DTYPES
+from outcore.runtime.policy import DTYPES, torch_dtype
 from outcore.runtime.safetensors_stream import SafetensorsWriter
 
 
@@ -77,7 +77,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     entries = []
     for key in meta["state_dict_keys"]:
         if key in where:
-            entries.append((key, DTYPES[dtype], tuple(where[key][1]["shape"])))
+            entries.append((key, torch_dtype(dtype), tuple(where[key][1]["shape"])))
         elif key in buffers:
             entries.append((key, buffers[key].dtype, tuple(buffers[key].shape)))
         else:
@@ -93,7 +93,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                 unit_index, param = where[key]
                 if last[0] is not param:  # tied names share one assembled tensor
                     last = (param, _assemble(meta["units"][unit_index], unit_index, param, files, world))
-                value = last[1].to(DTYPES[dtype])
+                value = last[1].to(torch_dtype(dtype))
                 largest = max(largest, last[1].numel() * 4)
             else:
                 value = buffers[key]

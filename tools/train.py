@@ -19,8 +19,9 @@ import psutil
 import torch
 
 from outcore import runtime
+from outcore.runtime.policy import DTYPES
 from outcore.tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
-from outcore.tools.estimate import ELEM, estimate
+from outcore.tools.estimate import estimate
 from outcore.tools.model_source import ModelSource, resolve_model, unit_numels
 from outcore.tools.presets import PRESETS
 from outcore.tools.report import peak_rss
@@ -187,7 +188,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
             meta = engine.load_checkpoint(ckpt_dir)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        state_bytes = gpt.params * (ELEM[config.dtype] + 4 + 12)  # weights, fp32 gradients, master + moments
+        state_bytes = gpt.params * (DTYPES[config.dtype][1] + 4 + 12)  # weights, fp32 gradients, master + moments
         report(f"outcore train: {opts.preset}, {gpt.params / 1e6:,.1f}M parameters "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "

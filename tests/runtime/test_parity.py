@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -13,7 +14,6 @@ from torch import nn
 import outcore
 from outcore.offload import Tier
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.memory_plan import device_window
 
 OFFLOADS = ["none", "cpu", "nvme"]
 
@@ -208,7 +208,8 @@ def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to
     ours_model, ref_model = twins(lambda: TinyGPT(layers=6))
     engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
     assert engine.device_ahead == 4  # on a CPU, DEVICE is RAM too: the whole window goes there
-    engine.device_ahead = device_window(4, "cuda")  # the GPU's two levels, run through the real store
+    # The GPU's two levels, run through the real store:
+    engine.device_ahead = dataclasses.replace(engine.policy, device_type="cuda").device_window
     asked = []  # (tier, unit indices) of every prefetch the engine asks the real store for
     real = engine.store.prefetch
 
@@ -300,7 +301,7 @@ def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp
                              nvme_dir=str(tmp_path / str(roomy)), host_budget=(64 << 20) if roomy else None)
         engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
         plan = engine.memory_plan()
-        assert plan.keeps_optimizer_states(engine.stats()["host"]["budget"], "nvme") is roomy
+        assert plan.keeps_optimizer_states(engine.stats()["host"]["budget"]) is roomy
         ours, _ = train_engine(ours_model, cfg, data[:2], engine=engine)
         engine.synchronize()
         engine.store.flush()  # write-backs run behind the updates: count whole steps' worth
@@ -410,7 +411,7 @@ def test_every_forward_prefetches_the_units_ahead_once_their_updates_are_done(tm
     engine.store.prefetch = spy
     data, losses = batches(4), []
     for x, y in data:
-        concurrent.futures.wait(list(engine._pending.values()))  # done, and left in the table
+        concurrent.futures.wait(engine.updates.in_flight())  # done, and left in the table
         asked.append(set())
         in_forward[0] = True
         loss = engine(x, y)

@@ -1,0 +1,126 @@
+"""The gradient's side of a step: from a unit's finished backward to the update that spends it.
+
+For each unit whose backward is done, `receive` reduces its parameters' gradients to this rank's
+fp32 shard (runtime/flat_unit.py [Note: unit gradients]), scaled for the ranks, the accumulation
+window and the fp16 loss scale, and either accumulates it in the store's work tier or, on the last
+micro-step of an overlapped step, hands it to the update stream at once. It keeps what `step()`
+needs: which units have a gradient, their squared norms and whether fp16 overflowed, which
+`global_norm` reduces across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from outcore.offload import TieredStore
+from outcore.runtime.collectives import Group, all_reduce_sum
+from outcore.runtime.flat_unit import Chunk, FlatUnit
+from outcore.runtime.loss_scale import LossScaler
+from outcore.runtime.policy import Placement, StatePolicy
+from outcore.runtime.update_stream import UpdateStream
+
+
+class GradientPath:
+    """Gradients of one accumulation window: reduced, accumulated, normed, handed over."""
+
+    def __init__(self, store: TieredStore, policy: StatePolicy, place: Placement, group: Group,
+                 scaler: LossScaler, updates: UpdateStream, *, device: torch.device,
+                 work_device: torch.device) -> None:
+        self.store, self.policy, self.place, self.group = store, policy, place, group
+        self.scaler, self.updates = scaler, updates
+        self.device, self.work_device = device, work_device  # compute, and where updates run
+        self.micro = 0  # micro-steps since the last update
+        self.with_gradient: set[int] = set()  # units given a gradient in this window
+        self._sqnorm: dict[int, float] = {}
+        self._overflow = False
+
+    @property
+    def window_complete(self) -> bool:
+        """The accumulation window is full: `step()` updates."""
+        return self.micro >= self.policy.grad_accumulation
+
+    def end_micro_step(self) -> None:
+        self.micro += 1
+
+    def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor]] | None:
+        """Backward is done with `unit` (`grads`: its parameters' gradients, in slot order): reduce
+        and accumulate them. Returns the gradient shard, per chunk, when it is to be handed over in
+        memory (see `hand_over`), else None."""
+        world, accum = self.group.world, self.policy.grad_accumulation
+        first = unit.index not in self.with_gradient
+        last = self.micro + 1 == accum
+        # One micro-step whose update starts now, where the gradient already is: the update takes
+        # it as it stands, with no copy into the store and no wait for room there.
+        hand_over = first and last and self.policy.hands_over and unit.device == self.work_device
+        with torch.no_grad():
+            pieces = unit.gradient_pieces(grads, 1.0 / (world * accum * self.scaler.scale), keep=hand_over)
+            del grads
+            self.with_gradient.add(unit.index)
+            sqnorm = 0.0
+            for c, parts in zip(unit.chunks, pieces, strict=True):
+                if first and not hand_over:
+                    self._put(c, parts)
+                elif not first:
+                    acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
+                    parts = [p.to(acc.device) for p in parts]  # from a GPU to a HOST work tier
+                    torch._foreach_add_(list(acc.split([p.numel() for p in parts])), parts)
+                    if last:
+                        sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
+                    self.store.release(c.grad_key, dirty=True)
+                if last and first:
+                    sqnorm += sum(float(n) ** 2 for n in torch._foreach_norm(parts))
+            if last:
+                self._sqnorm[unit.index] = sqnorm
+                if self.scaler.enabled and not math.isfinite(sqnorm):
+                    self._overflow = True
+        return pieces if hand_over else None
+
+    def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
+        """After `receive` and once the unit is released (an update changes its shard): on the last
+        micro-step of an overlapped step, its update starts now, behind the rest of backward."""
+        if self.micro + 1 == self.policy.grad_accumulation and self.policy.overlapped:
+            self.updates.overlap(unit, lr, handed)
+
+    def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
+        """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow."""
+        total = torch.tensor([sum(self._sqnorm.values()), float(self._overflow)], dtype=torch.float64,
+                             device=self.device)  # NCCL reduces device tensors only
+        all_reduce_sum(total, self.group)
+        overflow = bool(total[1] > 0) or not math.isfinite(float(total[0]))
+        norm = math.sqrt(float(total[0])) if not overflow else float("inf")
+        coef = 1.0
+        if grad_clip is not None and not overflow:
+            coef = min(1.0, grad_clip / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        return norm, coef, overflow
+
+    def reset(self, units: list[FlatUnit], *, drop_grads: bool) -> None:
+        """End an accumulation window. `drop_grads`: no update will spend its gradients (a skipped
+        step, or a window a checkpoint load abandons), so drop them here, never written back."""
+        if drop_grads:
+            for u in units:
+                if u.index in self.with_gradient:
+                    for c in u.chunks:
+                        if c.grad_key in self.store:
+                            self.store.delete(c.grad_key)
+        self.micro = 0
+        self.updates.end_window()
+        self.with_gradient.clear()
+        self._sqnorm.clear()
+        self._overflow = False
+
+    def _put(self, chunk: Chunk, parts: list[torch.Tensor]) -> None:
+        """A chunk's first gradient into the store's work tier: its pieces concatenated straight into
+        the store's buffer where they share its device, else through `put`'s copy."""
+        tier = self.place.work_tier
+        if len(parts) == 1 or parts[0].device != self.work_device:
+            self.store.put(chunk.grad_key, parts[0] if len(parts) == 1 else torch.cat(parts), tier)
+            return
+        staged = self.store.stage(chunk.grad_key, (chunk.numel,), torch.float32, tier)
+        try:
+            torch.cat(parts, out=staged.tensor)
+        except BaseException as e:
+            staged.abort(e)
+            raise
+        staged.commit()

@@ -1,0 +1,158 @@
+"""The engine's placement, chunking and overlap rules, written once.
+
+`StatePolicy` is the small frozen record every component that lays out or moves model states reads:
+the engine, `FlatUnit`, the memory plan and `outcore estimate`. It is built from a `Config` plus
+what only the run knows (world size, device type), or field by field by `estimate` for a machine
+that is not this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from outcore.offload.residency import Tier
+
+if TYPE_CHECKING:  # resolved on use, so that the command line loads without torch
+    import torch
+
+OFFLOADS = ("none", "cpu", "nvme")  # the names `offload_params` and `offload_optimizer` take
+TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # name: (torch's, bytes)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a compute dtype's name ("fp32", "bf16", "fp16")."""
+    import torch
+
+    return getattr(torch, DTYPES[name][0])
+HANDED_OVER = 2  # overlapped updates holding their gradient shard in memory at once
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a unit's states rest and where its update runs."""
+
+    param_tier: Tier  # where parameter shards rest
+    opt_tier: Tier  # where [master|m|v] rests
+    work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
+    # States resting on NVMe are written back right after their update; False: they stay where
+    # they were updated until evicted (see `MemoryPlan.keeps_optimizer_states`).
+    write_back: bool = True
+
+    @property
+    def opt_returns_home(self) -> bool:
+        """The store hint for optimizer-state keys: back to NVMe once updated (`TieredStore.put`)."""
+        return self.opt_tier == Tier.NVME and self.write_back
+
+    @property
+    def param_returns_home(self) -> bool:
+        """The store hint for parameter shards: those resting in HOST go back there once updated.
+        Those resting on NVMe stay where the update found them (runtime/optimizer.py [Note:
+        updated parameters stay put])."""
+        return self.param_tier == Tier.HOST
+
+
+@dataclass(frozen=True, slots=True)
+class StatePolicy:
+    """How one rank's model states are laid out, where they rest, and when updates may run."""
+
+    world: int
+    stage: int
+    offload_params: str
+    offload_optimizer: str
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    device_type: str  # "cpu" | "cuda"
+    prefetch_depth: int
+    sub_group_size: int
+    clipping: bool
+    grad_accumulation: int = 1
+
+    @classmethod
+    def of(cls, config, *, world: int, device_type: str) -> StatePolicy:
+        """The policy of `config` (an `outcore.Config`) on `world` ranks of `device_type`."""
+        return cls(world=world, stage=config.stage, offload_params=config.offload_params,
+                   offload_optimizer=config.offload_optimizer, dtype=config.dtype, device_type=device_type,
+                   prefetch_depth=config.prefetch_depth, sub_group_size=config.sub_group_size,
+                   clipping=config.grad_clip is not None, grad_accumulation=config.grad_accumulation)
+
+    # -- placement --------------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        opt_tier = TIER_OF_OFFLOAD[self.offload_optimizer]
+        return Placement(param_tier=TIER_OF_OFFLOAD[self.offload_params], opt_tier=opt_tier,
+                         work_tier=Tier.DEVICE if opt_tier == Tier.DEVICE else Tier.HOST)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def elem(self) -> int:
+        """Bytes per parameter in the compute dtype."""
+        return DTYPES[self.dtype][1]
+
+    @property
+    def resident(self) -> bool:
+        """Units keep their whole parameters between steps: stages 1 and 2, or one rank whose
+        parameters rest on DEVICE (there the shard is the whole unit)."""
+        return self.stage < 3 or (self.world == 1 and self.offload_params == "none")
+
+    @property
+    def aliased(self) -> bool:
+        """One rank, parameters on DEVICE: each unit's flat buffer *is* its stored shard."""
+        return self.world == 1 and self.resident and self.offload_params == "none"
+
+    @property
+    def borrowing(self) -> bool:
+        """One rank under ZeRO-3 with offloaded parameters: a gathered unit borrows the store's buffer."""
+        return self.world == 1 and not self.resident
+
+    @property
+    def master_is_param(self) -> bool:
+        """Whether a unit's fp32 parameter shard is its master weights, updated in place.
+
+        In fp32 the master would repeat the parameters byte for byte: one copy fewer to store, read,
+        write and refresh after each update. The update fetches the parameter shard to where it
+        runs, so the exception is a GPU whose parameters rest on it while the update runs in HOST:
+        there a separate master in HOST keeps the parameters on the device.
+        """
+        on_gpu_apart = (self.device_type == "cuda" and self.offload_params == "none"
+                        and self.offload_optimizer != "none")
+        return self.dtype == "fp32" and not on_gpu_apart
+
+    @property
+    def device_window(self) -> int:
+        """Units of the prefetch window asked all the way onto DEVICE.
+
+        On a GPU the nearer half (at least one): the rest is read from NVMe into HOST and copied up
+        as it comes near, so the disk reads far ahead while GPU memory holds only what runs soon. On
+        a CPU DEVICE and HOST are the same RAM and a shard changes tier without a copy, so a second
+        level saves no memory: the whole window goes to DEVICE.
+        """
+        depth = max(0, self.prefetch_depth)
+        return depth if self.device_type == "cpu" else max(1, (depth + 1) // 2)
+
+    # -- chunking ---------------------------------------------------------------------------------
+
+    def chunk_bounds(self, shard: int) -> list[tuple[int, int]]:
+        """[start, end) of each optimizer chunk of a unit's shard of `shard` elements. An aliased
+        unit is one chunk: its flat buffer is the stored shard, updated in one piece."""
+        step = shard if self.aliased else max(1, min(self.sub_group_size, shard))
+        return [(a, min(a + step, shard)) for a in range(0, shard, step)]
+
+    # -- when updates run -------------------------------------------------------------------------
+
+    @property
+    def overlapped(self) -> bool:
+        """Each unit's update may run during backward, as soon as its gradient is final: nothing
+        needs every gradient first (no global-norm clipping, no fp16 overflow check)."""
+        return not self.clipping and self.dtype != "fp16"
+
+    @property
+    def hands_over(self) -> bool:
+        """An overlapped update of a single micro-step takes its gradient shard as it is, in memory,
+        when that is already where the update runs (always on a CPU): no store key, no copy."""
+        work_on_device = self.offload_optimizer == "none"
+        return self.overlapped and self.grad_accumulation == 1 and (self.device_type == "cpu" or work_on_device)

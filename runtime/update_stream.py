@@ -1,0 +1,164 @@
+"""The optimizer's side of a step: every unit's AdamW update, where and when it runs.
+
+Updates run on one optimizer thread, so that their reads, fused kernels and write-backs overlap
+compute. Two ways in:
+- `overlap(unit, ...)`: during backward, as soon as a unit's gradient is final (no clipping, no
+  fp16 overflow check; `StatePolicy.overlapped`);
+- `start(units, ...)`: after backward, once the global norm is known, in the order the next
+  forward wants the units.
+Either way a unit's future completes once its last chunk is written, and `wait(unit)` is what a
+unit's next gather, a checkpoint or a state dict calls before reading it. `drain()` waits for all.
+The stream also keeps each unit's optimizer step count (AdamW's bias correction).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+from outcore.offload import TieredStore
+from outcore.offload.background import background_pool
+from outcore.runtime.flat_unit import Chunk, FlatUnit
+from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
+from outcore.runtime.policy import HANDED_OVER, Placement
+
+
+class UpdateStream:
+    """Owns the optimizer thread, the updates in flight and the units' step counts."""
+
+    def __init__(self, units: list[FlatUnit], store: TieredStore, place: Placement, hp: AdamW, *,
+                 prefetch_depth: int, nice: int) -> None:
+        self.units, self.store, self.place, self.hp = units, store, place, hp
+        self.depth = max(1, prefetch_depth)
+        self.steps = [0] * len(units)  # optimizer updates each unit has taken
+        self.seconds = 0.0  # time spent in updates, either way in
+        self._thread = background_pool(1, "outcore-optim", nice)
+        self._pending: dict[int, Future] = {}  # unit index -> its update
+        # Overlapped updates given their gradient in memory (not through the store), oldest first:
+        # backward waits while HANDED_OVER of them are still running, which bounds that memory.
+        self._handed_over: deque[Future] = deque()
+        # Units in the order their gradients were final, this step and the last: an overlapped
+        # update prefetches the optimizer states of the unit expected after it.
+        self._order: list[int] = []
+        self._next: dict[int, int] = {}
+
+    # -- starting updates -------------------------------------------------------------------------
+
+    def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None) -> None:
+        """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
+        the chunks' gradient keys in the store)."""
+        self._order.append(unit.index)
+        following = self._next.get(unit.index)
+        then = self.units[following].chunks if following is not None else []
+        if handed is not None:
+            while self._handed_over and (self._handed_over[0].done() or len(self._handed_over) >= HANDED_OVER):
+                self._handed_over.popleft().result()
+        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed)
+        self._pending[unit.index] = future
+        if handed is not None:
+            self._handed_over.append(future)
+
+    def start(self, units: list[FlatUnit], lr: float, coef: float) -> None:
+        """Update `units`, in this order, with gradients scaled by `coef` (the clip coefficient).
+        States in the work tier take one fused call, here; streamed ones go to the optimizer
+        thread, and each unit's future completes as its last chunk is written."""
+        chunks = [c for u in units for c in u.chunks]
+        if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
+            t0 = time.perf_counter()
+            with ParamWriter(self.store, self.place) as params:
+                update_chunks(chunks, self.store, self.place, self.hp, params, self.steps, lr=lr, grad_scale=coef)
+            for u in units:
+                self.steps[u.index] += 1
+            self.seconds += time.perf_counter() - t0
+            return
+        futures: dict[int, Future] = {u.index: Future() for u in units}
+        self._pending.update(futures)
+
+        def run() -> None:
+            try:
+                self._timed(chunks, lr, coef, (), futures, None)
+            except BaseException as e:
+                for f in futures.values():
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+
+        self._thread.submit(run)
+
+    # -- waiting ----------------------------------------------------------------------------------
+
+    def updating(self, index: int) -> bool:
+        """Unit `index`'s update is still running."""
+        future = self._pending.get(index)
+        return future is not None and not future.done()
+
+    def wait(self, unit: FlatUnit) -> None:
+        """Before a unit is gathered again: its update, if one is still running, has finished."""
+        future = self._pending.pop(unit.index, None)
+        if future is not None:
+            future.result()
+
+    def in_flight(self) -> list[Future]:
+        """The futures of updates not yet waited for (finished ones included)."""
+        return list(self._pending.values())
+
+    def drain(self) -> None:
+        """Wait for every update started so far."""
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.result()
+
+    def end_window(self) -> None:
+        """An accumulation window ended: this step's order of updates predicts the next one's."""
+        if self._order:
+            self._next = dict(zip(self._order, self._order[1:], strict=False))
+            self._order = []
+
+    def close(self) -> None:
+        self.drain()
+        self._thread.shutdown()
+
+    # -- on the optimizer thread ------------------------------------------------------------------
+
+    def _timed(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
+               finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._stream(order, lr, coef, then, finished, grad)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _stream(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
+                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None) -> None:
+        """Chunk by chunk, with the next `depth` chunks' states on their way to the work tier (past
+        the end of `order`, the optimizer states of the chunks in `then`). Each unit's step count
+        advances as its last chunk is done, and then its future in `finished` (if given) completes.
+        `grad`: one unit's gradient handed over in memory, per chunk (its chunks read no grad keys)."""
+        streaming = self.place.opt_tier != self.place.work_tier
+        with ParamWriter(self.store, self.place) as params:
+            for i, chunk in enumerate(order):
+                if streaming:
+                    keys = []
+                    for c in order[i + 1 : i + 1 + self.depth]:
+                        keys += [*self._master_keys(c), c.opt_key] + ([c.grad_key] if grad is None else [])
+                    keys += [c.opt_key for c in then[: max(0, i + 1 + self.depth - len(order))]]
+                    self.store.prefetch(keys, self.place.work_tier)
+                update_chunks([chunk], self.store, self.place, self.hp, params, self.steps, lr=lr,
+                              grad_scale=coef, grads=None if grad is None else [grad[chunk.index]])
+                unit = chunk.unit
+                if chunk is unit.chunks[-1]:
+                    self.steps[unit.index] += 1
+                    if finished is not None:
+                        finished[unit.index].set_result(None)
+
+    def _master_keys(self, chunk: Chunk) -> tuple[str, ...]:
+        """The store key a chunk's update needs besides its own: its unit's parameter shard, when
+        that is the master (asked for once, with the unit's first chunk) and not in usable memory."""
+        unit = chunk.unit
+        if chunk.index != 0 or not unit.master_is_param or unit.aliased:
+            return ()
+        return (unit.param_key,) if self.store.ram_tier_of(unit.param_key) is None else ()
