@@ -59,7 +59,8 @@ class AiofilesIOEngine:
         bs = self.config.block_size
         handle = IOHandle(-(-len(array) // bs), len(array), finalize)
         if len(array):
-            coro = self._request(handle, write, file, offset, memoryview(array), checksum)
+            view = memoryview(array)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
+            coro = self._request(handle, write, file, offset, view, checksum)
             asyncio.run_coroutine_threadsafe(coro, self._loop)
         return handle
 

@@ -18,7 +18,7 @@ from outcore.offload.io_config import PAGE, round_up
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # from linux/mman.h
-_libc = None
+_libc: ctypes.CDLL | bool | None = None
 
 
 def aligned_array(nbytes: int) -> np.ndarray:
@@ -47,5 +47,5 @@ def advise_huge_pages(address: int, nbytes: int) -> None:
     if _libc is None:
         name = ctypes.util.find_library("c")
         _libc = ctypes.CDLL(name) if name else False
-    if _libc and hasattr(_libc, "madvise"):
+    if isinstance(_libc, ctypes.CDLL) and hasattr(_libc, "madvise"):
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)

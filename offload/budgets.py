@@ -39,14 +39,14 @@ class Budgets(StoreCore):
             try:
                 while True:
                     unwanted = move is not None and move.by_prefetch and rec.pins == 0 and rec.move is move
-                    if unwanted and self._demand_waiting[tier]:
+                    if move is not None and unwanted and self._demand_waiting[tier]:
                         self._drop_prefetch(rec, move, tier)
                     buf = attempt()
                     if buf is not None:
                         return buf
                     if self._evict_for(tier, nbytes, exclude=rec, for_prefetch=unwanted):
                         continue
-                    if unwanted and not self._room_on_its_way(tier, nbytes):
+                    if move is not None and unwanted and not self._room_on_its_way(tier, nbytes):
                         self._drop_prefetch(rec, move, tier)
                     error = self._last_writeback_error
                     if error is not None and error is not errors_before:

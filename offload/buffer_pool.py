@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from outcore.offload.buffers import HostBuffer
+from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import OutOfBudgetError
 from outcore.offload.io_config import round_up
 
@@ -66,8 +66,9 @@ class HostBufferPool:
                                            f"{self.in_use:,} bytes stayed in use for {timeout:.0f} s.")
                 self._cond.wait(min(left, 0.1))
 
-    def release(self, buf: HostBuffer) -> None:
+    def release(self, buf: Buffer) -> None:
         """Return `buf` for reuse; the caller must hold no view of it any more."""
+        assert isinstance(buf, HostBuffer), "a host pool takes back host buffers only"
         with self._cond:
             assert self.in_use >= buf.capacity, "released a buffer this pool does not account for"
             self.in_use -= buf.capacity
@@ -76,14 +77,14 @@ class HostBufferPool:
             self._free.move_to_end(buf.capacity)
             self._cond.notify_all()
 
-    def detach(self, buf: HostBuffer) -> None:
+    def detach(self, buf: Buffer) -> None:
         """Stop accounting for `buf`: its ownership moves to another pool (zero-copy tier move)."""
         with self._cond:
             assert self.in_use >= buf.capacity
             self.in_use -= buf.capacity
             self._cond.notify_all()
 
-    def try_adopt(self, buf: HostBuffer) -> bool:
+    def try_adopt(self, buf: Buffer) -> bool:
         """Start accounting for a buffer another pool detached; False when there is no room."""
         self._check_fits(buf.capacity)
         with self._cond:

@@ -20,11 +20,13 @@ def _choose() -> tuple[str, Callable[[memoryview | bytes], int]]:
     try:
         import crc32c
     except ImportError:
-        crc32c = None
-    if crc32c is not None and crc32c.hardware_based:
-        return "crc32c", crc32c.crc32c
+        why = "package crc32c missing"
+    else:
+        if crc32c.hardware_based:
+            return "crc32c", crc32c.crc32c
+        why = "software only"
     log.warning("no hardware CRC-32C here (%s); swap blocks are checked with zlib's crc32, which costs "
-                "about 3x more CPU per byte", "package crc32c missing" if crc32c is None else "software only")
+                "about 3x more CPU per byte", why)
     return "crc32", zlib.crc32
 
 

@@ -12,6 +12,7 @@ Tensors the store returns are safe to use on the default stream; other streams m
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -63,25 +64,25 @@ class CudaMemory:
     def close(self) -> None:
         """Nothing cached here; the caching allocator keeps its own blocks."""
 
-    def to_device(self, src: HostBuffer, dst: DeviceBuffer, nbytes: int) -> None:
+    def to_device(self, src: HostBuffer, dst: Buffer, nbytes: int) -> None:
         """Copy host -> device on the copy stream and wait for it; see [Note: CUDA streams]."""
         n = round_up(nbytes)
         self._on_copy_stream(lambda: dst.tensor[:n].copy_(src.tensor[:n], non_blocking=src.pinned))
         dst.tensor.record_stream(torch.cuda.default_stream(self.device))
 
-    def to_host(self, src: DeviceBuffer, dst: HostBuffer, nbytes: int) -> None:
+    def to_host(self, src: Buffer, dst: HostBuffer, nbytes: int) -> None:
         """Copy device -> host after everything queued on the default stream, and wait for it."""
         n = round_up(nbytes)
         self.stream.wait_stream(torch.cuda.default_stream(self.device))
         self._on_copy_stream(lambda: dst.tensor[:n].copy_(src.tensor[:n], non_blocking=dst.pinned))
 
-    def fill(self, dst: DeviceBuffer, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    def fill(self, dst: Buffer, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Copy a caller's tensor (any device) in, after the caller's queued work, and wait for it."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._on_copy_stream(lambda: dst.fill_from(tensor.to(self.device), dtype))
         dst.tensor.record_stream(torch.cuda.default_stream(self.device))
 
-    def _on_copy_stream(self, copy) -> None:
+    def _on_copy_stream(self, copy: Callable[[], object]) -> None:
         with torch.cuda.stream(self.stream):
             copy()
             done = torch.cuda.Event()

@@ -175,7 +175,7 @@ class ThreadIOEngine:
         self.counters = IOCounters()
         self._slots = threading.BoundedSemaphore(config.queue_depth)
         self._write_slots = threading.BoundedSemaphore(max(1, config.queue_depth // 2))
-        self._queued = {False: deque(), True: deque()}  # write? -> blocks waiting for a worker
+        self._queued: dict[bool, deque[tuple]] = {False: deque(), True: deque()}  # write? -> blocks waiting
         self._ready = threading.Condition()
         self._closing = False
         self._workers = [threading.Thread(target=self._work, args=(0 < i == config.threads - 1,),
@@ -205,7 +205,7 @@ class ThreadIOEngine:
         bs = self.config.block_size
         n = len(array)
         handle = IOHandle(-(-n // bs), n, finalize)
-        view = memoryview(array)
+        view = memoryview(array)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
         for i, start in enumerate(range(0, n, bs)):
             if write:
                 self._write_slots.acquire()  # [Note: reads first]

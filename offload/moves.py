@@ -68,10 +68,10 @@ class Moves(StoreCore):
 
     def _hand_over(self, rec: KeyRecord, tier: Tier) -> bool:
         """CPU-only HOST <-> DEVICE: move the buffer's accounting, not its bytes."""
-        src, dst = self._mem[rec.tier], self._mem[tier]
-        if rec.buffer.capacity > dst.budget or not dst.try_adopt(rec.buffer):
+        src, dst = self._ram(rec.stable_tier), self._ram(tier)
+        if rec.held.capacity > dst.budget or not dst.try_adopt(rec.held):
             return False
-        src.detach(rec.buffer)
+        src.detach(rec.held)
         rec.to(STABLE[tier])
         self._cond.notify_all()
         return True
@@ -104,13 +104,15 @@ class Moves(StoreCore):
         """Mover thread, lock not held: copy the bytes into a new buffer of the target tier."""
         src, target = move.source, move.target
         if self._zero_copy and src != Residency.NVME:  # RAM to RAM: wait for room, then hand over
-            self._reserve(target, rec.nbytes, rec, move, attempt=lambda: rec.buffer if self._mem[target].try_adopt(
-                rec.buffer) else None)
+            held = rec.held
+            self._reserve(target, rec.nbytes, rec, move,
+                          attempt=lambda: held if self._ram(target).try_adopt(held) else None)
             with self._cond:
-                self._mem[Tier.HOST if target == Tier.DEVICE else Tier.DEVICE].detach(rec.buffer)
-            return rec.buffer
+                self._ram(Tier.HOST if target == Tier.DEVICE else Tier.DEVICE).detach(held)
+            return held
         if src == Residency.NVME and (target == Tier.HOST or self._zero_copy):
             buf = self._reserve(target, rec.nbytes, rec, move)
+            assert isinstance(buf, HostBuffer)
             self._read_into(rec, buf, target)
             return buf
         # CUDA: NVME -> DEVICE stages through HOST; HOST <-> DEVICE copies on the copy stream.
@@ -118,15 +120,19 @@ class Moves(StoreCore):
         try:
             if src == Residency.NVME:
                 staging = self._reserve(Tier.HOST, rec.nbytes, rec, move)
+                assert isinstance(staging, HostBuffer)
                 try:
                     self._read_into(rec, staging, None)
-                    self._dev.to_device(staging, dst, rec.nbytes)
+                    self._cuda.to_device(staging, dst, rec.nbytes)
                 finally:
                     self._free(Tier.HOST, staging)
             elif target == Tier.DEVICE:
-                self._dev.to_device(rec.buffer, dst, rec.nbytes)
+                source = rec.held
+                assert isinstance(source, HostBuffer)
+                self._cuda.to_device(source, dst, rec.nbytes)
             else:
-                self._dev.to_host(rec.buffer, dst, rec.nbytes)
+                assert isinstance(dst, HostBuffer)
+                self._cuda.to_host(rec.held, dst, rec.nbytes)
         except BaseException:
             self._free(target, dst)
             raise

@@ -43,12 +43,15 @@ class PrefetchQueue:
                 if rec is not None and rec.move is not None and rec.move.target == Tier.HOST and tier == Tier.DEVICE:
                     waiting.append(self._queue.popleft())
                     continue
-                there = rec is not None and rec.move is None and rec.state == STABLE[tier]
+                if rec is None:
+                    self._queue.popleft()
+                    continue
+                there = rec.move is None and rec.state == STABLE[tier]
                 if there and not rec.pins:
                     # Claimed as if this prefetch had brought it, so that other prefetches leave it
-                    # be until it is used (see TieredStore._evict_for).
+                    # be until it is used (see `pick_victims` in eviction.py).
                     rec.prefetched = True
-                if there or rec is None or rec.move is not None or rec.pins:
+                if there or rec.move is not None or rec.pins:
                     self._queue.popleft()
                     continue
                 if self.inflight and self.inflight + rec.nbytes > self.limit:
@@ -57,6 +60,11 @@ class PrefetchQueue:
                 future = start(rec, tier)
                 if not future.done():  # a zero-copy hand-over lands at once and holds nothing in flight
                     self.inflight += rec.nbytes
-                    future.add_done_callback(lambda _, n=rec.nbytes: landed(n))
+                    future.add_done_callback(_call_with(landed, rec.nbytes))
         finally:
             self._queue.extendleft(reversed(waiting))
+
+
+def _call_with(landed: Callable[[int], None], nbytes: int) -> Callable[[Future], None]:
+    """A done-callback that reports `nbytes` landed (bound now, not when the move ends)."""
+    return lambda _future: landed(nbytes)

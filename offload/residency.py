@@ -95,6 +95,19 @@ class KeyRecord:
         """The stable tier, or None while moving."""
         return TIER_OF.get(self.state)
 
+    @property
+    def held(self) -> Buffer:
+        """The buffer holding the bytes in memory (a stable memory tier, or the source of a move)."""
+        assert self.buffer is not None, f"{self.key!r} has no bytes in memory ({self.state})"
+        return self.buffer
+
+    @property
+    def stable_tier(self) -> Tier:
+        """The tier of a key at rest (not moving)."""
+        tier = TIER_OF.get(self.state)
+        assert tier is not None, f"{self.key!r} is moving ({self.state})"
+        return tier
+
     def view(self) -> torch.Tensor:
         assert self.buffer is not None, f"{self.key!r} has no bytes in memory ({self.state})"
         return self.buffer.view(self.nbytes, self.dtype, self.shape)

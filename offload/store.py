@@ -119,11 +119,13 @@ class TieredStore(Moves, WriteBacks, Budgets):
         if staged.tier != Tier.NVME:
             with self._cond:
                 move, rec.buffer = rec.move, buf
+                assert move is not None
                 self._land(rec, STABLE[staged.tier], old_buffer=self._old_memory(old))
                 self._swap.discard(rec.key)  # the swap copy is stale now
                 view = rec.view()
             move.future.set_result(view)
             return Handle.completed()
+        assert isinstance(buf, HostBuffer)  # a put to NVME is staged in HOST
         return self._write(rec, buf, old)
 
     def fetch(self, key: str, tier: Tier = Tier.DEVICE) -> Future:
@@ -134,7 +136,7 @@ class TieredStore(Moves, WriteBacks, Budgets):
         with self._cond:
             self._check_open()
             rec = self._record(key)
-            target = rec.move.target if rec.move else rec.tier
+            target = rec.move.target if rec.move else rec.stable_tier
             if rec.pins and target != tier:
                 raise ValueError(f"key {key!r} is in use in {target.name} ({rec.pins} fetches not released); "
                                  f"release it before fetching it to {tier.name}.")
@@ -174,9 +176,9 @@ class TieredStore(Moves, WriteBacks, Budgets):
         """Forget `key` and free its memory and swap space; it must not be pinned."""
         with self._cond:
             self._check_open()
-            rec = self._settled(key, must_exist=True)
+            rec = self._settled_record(key)
             if rec.buffer is not None:
-                self._free(rec.tier, rec.buffer)
+                self._free(rec.stable_tier, rec.buffer)
             del self._records[key]
             self._swap.discard(key)
             self._cond.notify_all()
@@ -188,16 +190,20 @@ class TieredStore(Moves, WriteBacks, Budgets):
             raise ValueError("evict() moves a key down: use to=Tier.HOST or Tier.NVME.")
         with self._cond:
             self._check_open()
-            rec = self._settled(key, must_exist=True)
-            if rec.tier <= to:
+            rec = self._settled_record(key)
+            if rec.stable_tier <= to:
                 return Handle.completed()
             if to == Tier.HOST:
                 return handle_of(self._start_move(rec, Tier.HOST, by_prefetch=False))
-            staging = None
+            staging: HostBuffer | None = None
             if rec.dirty and not isinstance(rec.buffer, HostBuffer):  # CUDA: stage through HOST
-                staging = self._reserve(Tier.HOST, rec.nbytes, rec)
-                rec = self._settled(key, must_exist=True)  # the wait let others in
-            return self._evict_record(rec, demote=False, staging=staging)
+                room = self._reserve(Tier.HOST, rec.nbytes, rec)
+                assert isinstance(room, HostBuffer)
+                staging = room
+                rec = self._settled_record(key)  # the wait let others in
+            done = self._evict_record(rec, demote=False, staging=staging)
+            assert done is not None  # with its staging buffer at hand it never needs to wait
+            return done
 
     def flush(self) -> None:
         """Wait until every write issued so far has landed, make them durable, write the index."""
@@ -218,7 +224,7 @@ class TieredStore(Moves, WriteBacks, Budgets):
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
         with self._cond:
-            resident = Counter()
+            resident: Counter[str] = Counter()
             for rec in self._records.values():
                 if rec.tier is not None and rec.tier != Tier.NVME:
                     resident[rec.tier.name.lower()] += rec.nbytes
@@ -300,4 +306,4 @@ class TieredStore(Moves, WriteBacks, Budgets):
         if isinstance(buf, HostBuffer):
             buf.fill_from(tensor, dtype)  # from CUDA this is a synchronous device-to-host copy
         else:
-            self._dev.fill(buf, tensor, dtype)
+            self._cuda.fill(buf, tensor, dtype)

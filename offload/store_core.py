@@ -97,6 +97,18 @@ class StoreCore:
             self._free(TIER_OF[where], buf)
         self._cond.notify_all()
 
+    @property
+    def _cuda(self) -> CudaMemory:
+        """DEVICE memory on a GPU (only the CUDA paths ask for it)."""
+        assert isinstance(self._dev, CudaMemory), "a CUDA path on a CPU-only store"
+        return self._dev
+
+    def _ram(self, tier: Tier) -> HostBufferPool:
+        """A memory tier's pool on a CPU-only store, where DEVICE is RAM too (zero-copy paths)."""
+        pool = self._mem[tier]
+        assert isinstance(pool, HostBufferPool)
+        return pool
+
     def _free(self, tier: Tier, buf: Buffer) -> None:
         with self._cond:
             self._mem[tier].release(buf)
@@ -122,6 +134,12 @@ class StoreCore:
             raise ValueError(f"key {key!r} is in use ({rec.pins} fetches not released); release it first.")
         return rec
 
+    def _settled_record(self, key: str) -> KeyRecord:
+        """`_settled` of a key that must exist (KeyError otherwise)."""
+        rec = self._settled(key, must_exist=True)
+        assert rec is not None
+        return rec
+
     def _old_memory(self, old: KeyRecord | None) -> tuple[Buffer, Residency] | None:
         """What a replaced record still held in memory, to free once its successor landed."""
         if old is None or old.buffer is None:
@@ -137,6 +155,7 @@ class StoreCore:
                 self._records[rec.key] = old
             move, rec.move = rec.move, None
             self._cond.notify_all()
+        assert move is not None
         move.future.set_exception(error)  # fetches that chained on the failed put see why
 
     def _check_open(self) -> None:

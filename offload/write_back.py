@@ -36,9 +36,11 @@ class WriteBackJob:
     staging: HostBuffer | None
 
     @property
-    def source(self) -> Buffer:
+    def source(self) -> HostBuffer:
         """The buffer the swap file is written from."""
-        return self.staging or self.buffer
+        source = self.staging or self.buffer
+        assert isinstance(source, HostBuffer)
+        return source
 
 
 class WriteBackWorker:
@@ -81,6 +83,7 @@ class WriteBacks(StoreCore):
             error = h.exception()
             with self._cond:
                 move = rec.move
+                assert move is not None
                 old_mem = self._old_memory(old)
                 if error is None:
                     self._free(Tier.HOST, staging)
@@ -105,14 +108,14 @@ class WriteBacks(StoreCore):
         HOST staging buffer: the caller's `staging`, or one free right now.
         The write itself is queued to the writer thread: see [Note: no I/O under the lock].
         """
-        tier = rec.tier
+        tier = rec.stable_tier
         assert rec.pins == 0 and rec.move is None and tier in (Tier.HOST, Tier.DEVICE)
         if demote and tier == Tier.DEVICE and self._zero_copy and self._hand_over(rec, Tier.HOST):
             self._counts["evictions"] += 1
             return Handle.completed()
         if not rec.dirty:
             self._counts["evictions"] += 1
-            self._free(tier, rec.buffer)
+            self._free(tier, rec.held)
             rec.buffer = None
             rec.to(Residency.NVME)
             self._cond.notify_all()
@@ -125,8 +128,8 @@ class WriteBacks(StoreCore):
         self._counts["writebacks"] += 1
         move = rec.move = Move(rec.state, Tier.NVME)
         rec.to(Residency.TO_NVME)
-        self._freeing[tier] += rec.buffer.capacity
-        self._writer.submit(WriteBackJob(rec, move, tier, rec.buffer, staging))
+        self._freeing[tier] += rec.held.capacity
+        self._writer.submit(WriteBackJob(rec, move, tier, rec.held, staging))
         done = handle_of(move.future)
         self._writes.add(done)
         return done
@@ -135,7 +138,7 @@ class WriteBacks(StoreCore):
         """The writer thread: copy a CUDA buffer down to its staging buffer, then issue the write."""
         if job.staging is not None:
             try:
-                self._dev.to_host(job.buffer, job.staging, job.record.nbytes)  # type: ignore[union-attr]
+                self._cuda.to_host(job.buffer, job.staging, job.record.nbytes)
             except BaseException as e:  # noqa: BLE001
                 self._free(Tier.HOST, job.staging)
                 self._writeback_failed(job, e)

@@ -174,7 +174,7 @@ class FlatUnit:
         shard = self._fetch_shard()
         storage = shard.untyped_storage()
         assert shard.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
-        self.flat.untyped_storage()._swap_data_ptr_(storage)
+        self.flat.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # private torch API
         self._borrowed = storage
 
     def _gather_into(self, full: torch.Tensor) -> None:
@@ -194,7 +194,8 @@ class FlatUnit:
         """Free the full parameters (allowed from UNSHARDED only; never for resident units)."""
         assert self.state is UnitState.UNSHARDED and not self.resident, f"{self.name}: cannot reshard"
         if self._borrowed is not None:
-            self.flat.untyped_storage()._swap_data_ptr_(self._borrowed)  # the store's buffer gets its memory back
+            # The store's buffer gets its memory back.
+            self.flat.untyped_storage()._swap_data_ptr_(self._borrowed)  # type: ignore[attr-defined]
             self._borrowed = None
             self.store.release(self.param_key)
         else:

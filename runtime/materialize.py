@@ -49,10 +49,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 with torch.no_grad():
                     if init_fn is not None:
                         init_fn(m)
-                    elif hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
-                    elif hasattr(m, "_reset_parameters"):  # nn.MultiheadAttention
-                        m._reset_parameters()
+                    elif callable(reset := getattr(m, "reset_parameters", None)):
+                        reset()
+                    elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
+                        reset()
                     elif m._parameters:
                         raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
                                          "reset_parameters(); pass init_fn= to the Engine to initialize it.")

@@ -38,7 +38,7 @@ class AdamW:
                              f"{self.weight_decay}).")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"AdamW: betas must lie in [0, 1) (got {self.betas}).")
-        self.betas = tuple(self.betas)
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
 
 
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:

@@ -60,7 +60,7 @@ class SafetensorsWriter:
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         done, start = 0, self._data_start + off + at * size
         while done < data.nbytes:
-            done += os.pwrite(self._fd, memoryview(data)[done:], start + done)
+            done += os.pwrite(self._fd, data[done:].data, start + done)
         self._written[name] = self._written.get(name, 0) + data.nbytes
 
     def close(self) -> None:

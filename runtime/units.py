@@ -62,7 +62,7 @@ def _deepest_block_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if best is None:
         return []
     _, name, container = best
-    return [(f"{name}.{i}", child) for i, child in enumerate(container)]
+    return [(f"{name}.{i}", child) for i, child in enumerate(container.children())]
 
 
 def _outer_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from outcore.offload.aligned import aligned_array
 from outcore.offload.backends import make_engine
 from outcore.offload.io_config import IOConfig
-from outcore.offload.io_engine import IOFile, open_io_file
+from outcore.offload.io_engine import IOFile, IOHandle, open_io_file
 from outcore.tools.fio import fio_available, fio_throughput
 from outcore.tools.report import peak_rss
 
@@ -76,12 +76,13 @@ def drop_page_cache(path: str) -> bool:
 def _stream(engine, file: IOFile, size: int, slots: list, write: bool) -> float:
     """Move `size` bytes sequentially, keeping every slot busy; returns bytes per second."""
     bs = engine.config.block_size
-    pending = [None] * len(slots)
+    pending: list[IOHandle | None] = [None] * len(slots)
     t0 = time.perf_counter()
     for i, off in enumerate(range(0, size, bs)):
         s = i % len(slots)
-        if pending[s] is not None:
-            pending[s].wait()  # this slot's previous request must finish before its buffer is reused
+        previous = pending[s]
+        if previous is not None:
+            previous.wait()  # this slot's previous request must finish before its buffer is reused
         view = slots[s][: min(bs, size - off)]
         pending[s] = engine.write(file, off, view) if write else engine.read(file, off, view)
     for h in pending:
@@ -100,7 +101,7 @@ def lay_out(path: str, size: int) -> None:
     chunk[:] = 0x5A
     with open(path, "wb") as f:
         for off in range(0, size, len(chunk)):
-            f.write(memoryview(chunk)[: min(len(chunk), size - off)])
+            f.write(chunk[: min(len(chunk), size - off)].data)
         f.flush()
         os.fsync(f.fileno())
     drop_page_cache(path)
@@ -194,12 +195,12 @@ def _summarize(results: list[Result], **facts) -> dict:
         w, r = max(rs, key=lambda x: x.write_Bps), max(rs, key=lambda x: x.read_Bps)
         row = {"ours_write_MBps": w.write_Bps / 1e6, "ours_read_MBps": r.read_Bps / 1e6}
         if facts["use_fio"]:
-            row["fio_write_MBps"] = max(x.fio_write_Bps for x in rs) / 1e6
-            row["fio_read_MBps"] = max(x.fio_read_Bps for x in rs) / 1e6
+            row["fio_write_MBps"] = max(x.fio_write_Bps or 0.0 for x in rs) / 1e6
+            row["fio_read_MBps"] = max(x.fio_read_Bps or 0.0 for x in rs) / 1e6
             row["write_ratio"] = row["ours_write_MBps"] / row["fio_write_MBps"]
             row["read_ratio"] = row["ours_read_MBps"] / row["fio_read_MBps"]
-            row["write_ratio_paired"] = max(x.write_ratio for x in rs)
-            row["read_ratio_paired"] = max(x.read_ratio for x in rs)
+            row["write_ratio_paired"] = max(x.write_ratio or 0.0 for x in rs)
+            row["read_ratio_paired"] = max(x.read_ratio or 0.0 for x in rs)
         by_bs[bs] = row
     biggest_slots = max(r.setting.queue_depth * r.setting.block_size for r in results)
     return {"results": [r.as_json() for r in results], "best_write": results.index(best_w),

@@ -139,6 +139,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             after = engine.stats()
             engine.close()
         n = len(data) - 1
+        assert before is not None  # taken after the warm-up step
         io = {"read_bytes_per_step": (after["bytes_read"] - before["bytes_read"]) / n,
               "written_bytes_per_step": (after["bytes_written"] - before["bytes_written"]) / n,
               "io_busy_s_per_step": (after["io_busy_seconds"] - before["io_busy_seconds"]) / n,

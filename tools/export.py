@@ -87,14 +87,15 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                                                        "step": str(meta["step"])})
     largest = 0
     try:
-        last = (None, None)
+        last_param, last_value = None, None
         for key, _, _ in entries:
             if key in where:
                 unit_index, param = where[key]
-                if last[0] is not param:  # tied names share one assembled tensor
-                    last = (param, _assemble(meta["units"][unit_index], unit_index, param, files, world))
-                value = last[1].to(torch_dtype(dtype))
-                largest = max(largest, last[1].numel() * 4)
+                if last_value is None or last_param is not param:  # tied names share one assembled tensor
+                    last_param, last_value = param, _assemble(meta["units"][unit_index], unit_index, param,
+                                                              files, world)
+                value = last_value.to(torch_dtype(dtype))
+                largest = max(largest, last_value.numel() * 4)
             else:
                 value = buffers[key]
             writer.write(key, value)

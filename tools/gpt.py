@@ -19,13 +19,16 @@ from outcore.tools.presets import PRESETS, GPTConfig
 __all__ = ["GPT", "PRESETS", "GPTConfig", "init_fn"]
 
 
+
+class ResidualLinear(nn.Linear):
+    """A projection that feeds the residual stream: initialized smaller, by depth (see `_init`)."""
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.proj.residual = True  # feeds the residual stream: initialized smaller (see _init)
+        self.proj = ResidualLinear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -41,8 +44,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
-        self.out.residual = True
+        self.out = ResidualLinear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -83,7 +85,7 @@ def _init(m: nn.Module, cfg: GPTConfig) -> None:
     """GPT-2 style: N(0, 0.02) weights, zero biases, residual projections scaled by depth."""
     with torch.no_grad():
         if isinstance(m, nn.Linear):
-            std = 0.02 / math.sqrt(2 * cfg.layers) if getattr(m, "residual", False) else 0.02
+            std = 0.02 / math.sqrt(2 * cfg.layers) if isinstance(m, ResidualLinear) else 0.02
             if not m.weight.is_meta:
                 m.weight.normal_(0.0, std)
                 if m.bias is not None:
@@ -98,7 +100,7 @@ def init_fn(cfg: GPTConfig):
     def init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             _init(m, cfg)
-        elif hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+        elif callable(reset := getattr(m, "reset_parameters", None)):
+            reset()
 
     return init

@@ -169,6 +169,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     steps = opts.steps or DEFAULT_STEPS.get(opts.preset, 1000)
     peak_lr = opts.lr or LEARNING_RATES.get(opts.preset, 3e-4)
     eval_every = opts.eval_every or max(1, steps // 5)
+    save_every = opts.save_every or 0
 
     for n in notes:
         report(f"outcore train: {n}")
@@ -178,8 +179,9 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     try:
         with runtime.deferred_init():
             model = source.build()
-        model.checkpoint_activations = (opts.checkpoint_activations if opts.checkpoint_activations is not None
-                                        else gpt.layers >= 24)
+        # Read by outcore's GPT (and by any model of one's own that honours it).
+        setattr(model, "checkpoint_activations",  # noqa: B010
+                opts.checkpoint_activations if opts.checkpoint_activations is not None else gpt.layers >= 24)
         hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         t_init = time.perf_counter()
         engine = runtime.Engine(model, config, hp, init_fn=source.init_fn, seed=opts.seed)
@@ -210,7 +212,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                     loss_sum += float(loss.detach())
                 result = engine.step()
                 evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
-                saving = bool(opts.save_every) and (step + 1) % opts.save_every == 0 and step + 1 != steps
+                saving = save_every > 0 and (step + 1) % save_every == 0 and step + 1 != steps
                 if evaluating or saving:
                     # step() returns before its streamed updates land and the next forward waits for
                     # them; what comes next is not a training step, so this step's time includes them.
@@ -262,9 +264,9 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(),
     }
     losses = f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history else " (it had already reached --steps)"
-    val = f", val {val_history[-1][1]:.3f}" if val_history else ""
+    val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
     report(f"outcore train: done. {opts.preset} ({gpt.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
-           f"model states) trained {steps - start} steps{losses}{val}; parameters in "
+           f"model states) trained {steps - start} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")
     return summary

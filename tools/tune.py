@@ -38,7 +38,7 @@ DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], 
 class Candidate:
     config: runtime.Config
     label: str
-    result: dict | None = None
+    result: dict = dataclasses.field(default_factory=dict)  # empty until measured
 
     @property
     def ok(self) -> bool:
