@@ -82,8 +82,8 @@ class KeyRecord:
     prefetched: bool = False  # landed by prefetch, not fetched since
     last_use: int = 0  # store clock at the last fetch or release, for LRU eviction
     home: Tier = Tier.NVME  # the tier it was put in
-    # The owner's hint: once changed (a dirty release), send it back to `home` at once rather than
-    # when the store next needs the room (optimizer states streamed through HOST).
+    # The owner's hint: after a dirty release that leaves it unpinned, send it back to `home` at
+    # once rather than when the store next needs the room (optimizer states streamed through HOST).
     return_home: bool = False
 
     def to(self, new: Residency) -> None:

@@ -159,7 +159,8 @@ class TieredStore(Moves, WriteBacks, Budgets):
 
     def release(self, key: str, *, dirty: bool = False) -> None:
         """The caller is done with one fetch of `key`; `dirty=True` if it changed the tensor in place.
-        A key put with `return_home=True` then starts back to the tier it was put in."""
+        A key put with `return_home=True` starts back to the tier it was put in when a dirty release
+        leaves it unpinned."""
         with self._cond:
             rec = self._record(key)
             if rec.pins == 0:
@@ -168,7 +169,10 @@ class TieredStore(Moves, WriteBacks, Budgets):
             rec.dirty |= dirty
             rec.last_use = next(self._clock)
             self._cond.notify_all()
-            going_home = dirty and rec.return_home and rec.pins == 0 and rec.tier is not None and rec.tier > rec.home
+            # Only the release that changed it: a key read where it rests (a parameter shard in
+            # forward) stays, however dirty it is.
+            going_home = (rec.return_home and dirty and rec.pins == 0 and rec.tier is not None
+                          and rec.tier > rec.home)
         if going_home:  # the owner's hint (`put(..., return_home=True)`): written back behind it
             self.evict(key, rec.home)
 

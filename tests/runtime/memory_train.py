@@ -55,7 +55,8 @@ def main(nvme_dir: str, d: int, layers: int, host_budget: int) -> None:
     print(json.dumps({"params": n, "fp32_state_bytes": 12 * n, "losses": losses, "init_s": init_s,
                       "step_s": step_s, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"],
-                      "host_peak": s["host"]["peak"], "device_peak": s["device"]["peak"]}))
+                      "host_peak": s["host"]["peak"], "device_peak": s["device"]["peak"],
+                      "nvme_bytes": s["nvme"]["bytes"]}))
 
 
 if __name__ == "__main__":

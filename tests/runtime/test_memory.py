@@ -1,4 +1,4 @@
-"""Memory is bounded by the budgets, not by the model: 3.2 GB of fp32 states in well under 1.5 GiB."""
+"""Memory is bounded by the budgets, not by the model: 3.2 GB of fp32 states train in about 0.66 GiB."""
 
 import json
 import os
@@ -14,8 +14,10 @@ def test_states_larger_than_the_budgets_train_in_bounded_rss(tmp_path):
                           str(host_budget)], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["fp32_state_bytes"] >= 3e9
+    assert got["nvme_bytes"] >= 3e9  # the states the store holds on NVMe, by its own count
     assert got["host_peak"] <= host_budget
-    assert got["peak_rss"] < 1.5 * 2**30, f"peak RSS {got['peak_rss'] / 2**30:.2f} GiB"
+    # Measured 0.63-0.66 GiB (677 MiB at most): torch itself, the two budgets and the step's
+    # activations. The bound leaves 20% for noise; a state held whole in memory would be 3 GB.
+    assert got["peak_rss"] < 820 * 2**20, f"peak RSS {got['peak_rss'] / 2**20:.0f} MiB"
     assert all(v == v and abs(v) < float("inf") for v in got["losses"])
     assert not os.path.exists(tmp_path / "nvme" / "rank0.swap"), "the swap file is scratch: removed on close"

@@ -27,11 +27,17 @@ def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeyp
     assert {c["config"]["prefetch_depth"] for c in cands} == {1, 2}
     assert {c["config"]["io"]["nice"] for c in cands} == {0, 15}
     assert any(c["config"]["host_budget"] == 8 << 20 for c in cands)
-    fastest = min(cands, key=lambda c: c["step_seconds"])
     assert all(c["peak_rss_bytes"] > 100 << 20 for c in cands)  # measured in a real process
     written = json.loads((tmp_path / "tuned.json").read_text())
     assert written == report["best"]
-    assert fastest["step_seconds"] * 1.02 >= min(c["step_seconds"] for c in cands)
+    # The written config is a candidate measured fastest: within 2% of the quickest step (noise),
+    # and of those the one with the least memory.
+    chosen = [c for c in cands if c["config"] == written]
+    assert len(chosen) == 1, "the written config was not among the measured candidates"
+    quickest = min(c["step_seconds"] for c in cands)
+    near = [c for c in cands if c["step_seconds"] <= 1.02 * quickest]
+    assert chosen[0] in near
+    assert chosen[0]["peak_rss_bytes"] == min(c["peak_rss_bytes"] for c in near)
     loaded = outcore.Config.from_file(tmp_path / "tuned.json")
     assert loaded.to_dict() == written  # every key written is one the runtime reads, unchanged
     assert "fastest (*) written to tuned.json" in printed

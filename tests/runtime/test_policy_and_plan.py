@@ -1,0 +1,107 @@
+"""The one rule set (`StatePolicy`) and the memory plan built on it, without an engine; then the
+engine's plan and `outcore estimate`'s agree for the same model."""
+
+import dataclasses
+
+import pytest
+from models import TinyGPT
+
+import outcore
+from outcore.runtime.memory_plan import PAGE, plan_memory
+from outcore.runtime.policy import StatePolicy
+from outcore.tools.estimate import estimate
+
+BASE = StatePolicy(world=1, stage=3, offload_params="nvme", offload_optimizer="nvme", dtype="fp32",
+                   device_type="cpu", prefetch_depth=2, sub_group_size=1 << 22, clipping=True)
+
+
+def policy(**kw) -> StatePolicy:
+    return dataclasses.replace(BASE, **kw)
+
+
+@pytest.mark.parametrize(("shard", "group"), [(10_000, 4096), (4096, 4096), (5, 4096), (1 << 20, 1 << 22)])
+def test_chunks_cover_the_shard_in_order_each_at_most_sub_group_size(shard, group):
+    bounds = policy(sub_group_size=group).chunk_bounds(shard)
+    assert bounds[0][0] == 0 and bounds[-1][1] == shard
+    assert all(a < b <= a + group for a, b in bounds)
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(bounds, bounds[1:], strict=False))
+
+
+def test_an_aliased_unit_is_one_chunk_whatever_sub_group_size():
+    aliased = policy(offload_params="none", offload_optimizer="none", sub_group_size=1024)
+    assert aliased.aliased and aliased.chunk_bounds(10_000) == [(0, 10_000)]
+
+
+def test_which_units_stay_whole():
+    assert policy(stage=1, offload_params="none").resident and policy(stage=2, offload_params="none").resident
+    assert not policy().resident and policy().borrowing  # ZeRO-3, one rank: gathered by borrowing the shard
+    assert policy(offload_params="none").aliased
+    several = policy(world=2, offload_params="none")
+    assert not several.resident and not several.borrowing and not several.aliased
+
+
+def test_updates_overlap_backward_only_without_clipping_or_fp16():
+    assert not policy().overlapped
+    assert policy(clipping=False).overlapped and policy(clipping=False, dtype="bf16").overlapped
+    assert not policy(clipping=False, dtype="fp16").overlapped
+    assert policy(clipping=False).hands_over
+    assert not policy(clipping=False, grad_accumulation=2).hands_over
+    assert not policy(clipping=False, device_type="cuda").hands_over  # updates run in HOST, grads on the GPU
+    assert policy(clipping=False, device_type="cuda", offload_optimizer="none").hands_over
+
+
+def test_the_prefetch_window_has_two_levels_on_a_gpu_only():
+    assert policy(prefetch_depth=4).device_window == 4
+    assert policy(prefetch_depth=4, device_type="cuda").device_window == 2
+    assert policy(prefetch_depth=1, device_type="cuda").device_window == 1
+
+
+def test_the_fp32_parameter_shard_is_the_master_except_on_a_gpu_keeping_it_apart():
+    assert policy().master_is_param and not policy(dtype="bf16").master_is_param
+    assert not policy(device_type="cuda", offload_params="none", offload_optimizer="cpu").master_is_param
+    assert policy(device_type="cuda").master_is_param
+
+
+def test_the_plan_counts_states_where_they_rest_by_hand():
+    shards = [8192, 8192, 4096]  # elements (whole pages in fp32)
+    plan = plan_memory(shards, shards, policy())
+    assert plan.nvme.states == 4 * sum(shards) + 8 * sum(shards)  # fp32 params + [m|v]
+    assert plan.optimizer_states == 8 * sum(shards)
+    assert plan.device.states == plan.host.states == 0
+    # Clipping: every unit's fp32 gradient lives in the work tier (HOST) until the step.
+    assert plan.host.runtime >= 4 * sum(shards)
+    bf16 = plan_memory(shards, shards, policy(dtype="bf16"))
+    assert bf16.nvme.states == 2 * sum(shards) + 12 * sum(shards)  # bf16 params + [master|m|v]
+
+
+def test_overlapped_updates_hold_about_one_units_gradient():
+    shards = [8192] * 6
+    clipped = plan_memory(shards, shards, policy(clipping=True))
+    overlapped = plan_memory(shards, shards, policy(clipping=False))
+    grads = 4 * sum(shards)
+    assert clipped.host.runtime - overlapped.host.runtime >= grads - 2 * 4 * 8192 - PAGE * 8
+
+
+def test_nothing_offloaded_keeps_every_state_on_the_device():
+    shards = [8192, 4096]
+    plan = plan_memory(shards, shards, policy(offload_params="none", offload_optimizer="none"))
+    assert plan.nvme.total == 0 and plan.host.states == 0
+    assert plan.device.states == 4 * sum(shards) + 8 * sum(shards)
+    assert plan.device_min == plan.device.states + plan.device.runtime
+
+
+@pytest.mark.parametrize(("params", "optim", "clip"), [("nvme", "nvme", 1.0), ("cpu", "cpu", None),
+                                                       ("none", "nvme", 1.0), ("none", "none", None)])
+def test_the_engine_and_estimate_plan_the_same_bytes(tmp_path, params, optim, clip):
+    model = TinyGPT(vocab=256, layers=3)
+    with outcore.deferred_init():
+        deferred = TinyGPT(vocab=256, layers=3)
+    cfg = outcore.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
+                         grad_clip=clip, sub_group_size=4096)
+    engine = outcore.Engine(deferred, cfg, device="cpu")
+    numels = [u.layout.numel for u in engine.units]
+    ours = estimate(numels, world=1, dtype="fp32", stage=3, offload_params=params, offload_optimizer=optim,
+                    sub_group_size=4096, grad_clip=clip, device="cpu")
+    assert engine.memory_plan() == ours
+    assert sum(numels) == sum(p.numel() for p in model.parameters())
+    engine.close()

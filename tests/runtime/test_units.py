@@ -1,0 +1,52 @@
+"""The unit planner: which modules move together and which unit owns each parameter (no engine)."""
+
+import pytest
+from models import TinyGPT
+from torch import nn
+
+from outcore.runtime.units import plan_units
+
+
+def names(plans):
+    return [p.name for p in plans]
+
+
+def test_the_repeated_blocks_are_units_and_the_root_unit_comes_last():
+    plans = plan_units(TinyGPT(layers=3))  # tied head: the embedding is shared, so it stays in the root
+    assert names(plans) == ["blocks.0", "blocks.1", "blocks.2", ""]
+    assert [p.index for p in plans] == [0, 1, 2, 3]
+    root = plans[-1]
+    owned = {n for s in root.slots for n in s.state_dict_names}
+    assert owned == {"tok.weight", "head.weight", "pos.weight", "ln_f.weight", "ln_f.bias"}
+
+
+def test_a_tied_weight_is_owned_once_with_every_place_it_is_registered():
+    model = TinyGPT()
+    root = plan_units(model)[-1]
+    tied = [s for s in root.slots if "tok.weight" in s.state_dict_names]
+    assert len(tied) == 1
+    assert tied[0].state_dict_names == ["tok.weight", "head.weight"]
+    assert {(type(m).__name__, n) for m, n in tied[0].places} == {("Embedding", "weight"), ("Linear", "weight")}
+
+
+def test_a_module_outside_the_blocks_as_large_as_one_is_a_unit_of_its_own():
+    model = TinyGPT(vocab=4096, tied=False)  # untied: the head and the embedding each outweigh a block
+    assert names(plan_units(model)) == ["tok", "blocks.0", "blocks.1", "blocks.2", "head", ""]
+
+
+def test_every_parameter_is_owned_by_exactly_one_unit():
+    model = TinyGPT(vocab=4096, tied=False)
+    owned = [n for p in plan_units(model) for s in p.slots for n in s.state_dict_names]
+    assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_unit_classes_name_the_units_and_the_rest_is_the_root():
+    model = TinyGPT(vocab=4096, tied=False)
+    assert names(plan_units(model, ("MultiheadAttention",))) == [f"blocks.{i}.attn" for i in range(3)] + [""]
+    with pytest.raises(ValueError, match="matches no module"):
+        plan_units(model, ("NoSuchBlock",))
+
+
+def test_a_model_without_repeated_blocks_is_one_root_unit():
+    plans = plan_units(nn.Sequential(nn.Linear(4, 4)))  # one child: no list of blocks to split
+    assert names(plans) == [""] and plans[0].numel == 20
