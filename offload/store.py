@@ -5,7 +5,8 @@ residency.py); every state change happens under the store's lock, every byte mov
 
 - moves that need memory and I/O run on a small pool of mover threads (moves.py); their future is
   stored in the record, so a second fetch of a moving key joins it instead of moving it twice;
-- write-backs and puts are I/O handles whose completion callback lands the new state (write_back.py);
+- write-backs and puts are I/O handles whose completion callback lands the new state (writes.py,
+  write_back.py);
 - a budget is never exceeded: a move that needs room evicts released keys (eviction.py) and waits,
   bounded, for them to land (budgets.py).
 This file is the API; store_core.py holds what the parts share.
@@ -27,7 +28,8 @@ from outcore.offload.handle import Handle, handle_of
 from outcore.offload.io_config import IOConfig, round_up
 from outcore.offload.moves import Moves
 from outcore.offload.residency import MOVING, STABLE, KeyRecord, Move, Residency, Tier
-from outcore.offload.write_back import WriteBacks, WriteBackWorker
+from outcore.offload.write_back import WriteBackWorker
+from outcore.offload.writes import WriteBacks
 
 
 class StagedPut:

@@ -2,8 +2,8 @@
 the swap file, the counters, and the few helpers that change a record's state.
 
 `TieredStore` (store.py) is composed of this core and three parts, each in its own file and all
-under the one lock: the movers (moves.py: bring a key into a memory tier), the write-backs
-(write_back.py: write a dirty key to NVMe behind the caller) and the budgets (budgets.py: room
+under the one lock: the movers (moves.py: bring a key into a memory tier), the writes
+(writes.py: puts to NVMe, and dirty keys written back behind the caller) and the budgets (budgets.py: room
 for a move, by eviction or a bounded wait). See [Note: residency] in residency.py for the states.
 """
 
@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,9 +30,7 @@ from outcore.offload.io_config import IOConfig
 from outcore.offload.prefetch import PrefetchQueue
 from outcore.offload.residency import TIER_OF, KeyRecord, Residency, Tier
 from outcore.offload.swap_file import SwapFile
-
-if TYPE_CHECKING:
-    from outcore.offload.write_back import WriteBackJob, WriteBackWorker
+from outcore.offload.write_back import WriteBackJob, WriteBackWorker
 
 log = logging.getLogger("outcore.offload.store")
 
@@ -45,7 +42,7 @@ class PrefetchDropped(StorageError):
 class StoreCore:
     """The shared state of a `TieredStore`; see the module docstring."""
 
-    # Provided by the parts (moves.py, write_back.py, budgets.py), used across them.
+    # Provided by the parts (moves.py, writes.py, budgets.py), used across them.
     _reserve: Callable[..., Buffer]
     _evict_record: Callable[..., Handle | None]
     _hand_over: Callable[[KeyRecord, Tier], bool]

@@ -1,15 +1,13 @@
 """Write-backs: a dirty key written to NVMe behind its owner, by one writer thread, in order.
 
-`WriteBackJob` is one write-back's record; `WriteBackWorker` is the thread that issues them. The
-`WriteBacks` part of `TieredStore` (see store_core.py) decides what to write back (`_evict_record`)
-and lands the outcome. [Note: no I/O under the lock] Write-backs are queued to the writer thread,
-never issued by a thread that holds the store lock: such a thread must never wait for an I/O slot,
-because I/O completions take the lock to land.
+`WriteBackJob` is one write-back's record; `WriteBackWorker` is the thread that issues them, by
+calling the store's `_run_write_back` (writes.py) for each. [Note: no I/O under the lock]
+Write-backs are queued to the writer thread, never issued by a thread that holds the store lock:
+such a thread must never wait for an I/O slot, because I/O completions take the lock to land.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -17,11 +15,7 @@ from dataclasses import dataclass
 
 from outcore.offload.background import lower_priority
 from outcore.offload.buffers import Buffer, HostBuffer
-from outcore.offload.handle import Handle, handle_of
-from outcore.offload.residency import STABLE, KeyRecord, Move, Residency, Tier
-from outcore.offload.store_core import StoreCore
-
-log = logging.getLogger("outcore.offload.store")
+from outcore.offload.residency import KeyRecord, Move, Tier
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -64,117 +58,3 @@ class WriteBackWorker:
         lower_priority(self._nice)
         while (job := self._queue.get()) is not None:
             self._run(job)
-
-
-class WriteBacks(StoreCore):
-    """Writes to NVMe: puts, and write-backs of dirty keys leaving memory (self._cond held unless said)."""
-
-    def _write(self, rec: KeyRecord, staging: HostBuffer, old: KeyRecord | None) -> Handle:
-        """Write a put's staged bytes; the handle completes once the new state has landed."""
-        done = Handle()
-        try:
-            io = self._swap.write(rec.key, staging.array, rec.nbytes, rec.dtype, rec.shape)
-        except BaseException as e:
-            self._free(Tier.HOST, staging)
-            self._undo_put(rec, old, e)
-            raise
-
-        def landed(h: Handle) -> None:
-            error = h.exception()
-            with self._cond:
-                move = rec.move
-                assert move is not None
-                old_mem = self._old_memory(old)
-                if error is None:
-                    self._free(Tier.HOST, staging)
-                    rec.dirty = False
-                    self._land(rec, Residency.NVME, old_buffer=old_mem)
-                else:  # keep the bytes: they stay in HOST, dirty, and nothing is lost
-                    log.error("write of %r failed; it stays in host memory: %s", rec.key, error)
-                    rec.buffer = staging
-                    self._land(rec, Residency.HOST, old_buffer=old_mem)
-            move.future.set_result(None)
-            done.set_done(error)
-
-        with self._cond:
-            self._writes.add(done)
-        io.add_done_callback(landed)
-        return done
-
-    def _evict_record(self, rec: KeyRecord, *, demote: bool, staging: HostBuffer | None = None) -> Handle | None:
-        """Move a released, resident key out of memory; None if it cannot start without waiting.
-
-        `demote`: DEVICE -> HOST when that costs nothing (CPU-only). A dirty CUDA buffer needs a
-        HOST staging buffer: the caller's `staging`, or one free right now.
-        The write itself is queued to the writer thread: see [Note: no I/O under the lock].
-        """
-        tier = rec.stable_tier
-        assert rec.pins == 0 and rec.move is None and tier in (Tier.HOST, Tier.DEVICE)
-        if demote and tier == Tier.DEVICE and self._zero_copy and self._hand_over(rec, Tier.HOST):
-            self._counts["evictions"] += 1
-            return Handle.completed()
-        if not rec.dirty:
-            self._counts["evictions"] += 1
-            self._free(tier, rec.held)
-            rec.buffer = None
-            rec.to(Residency.NVME)
-            self._cond.notify_all()
-            return Handle.completed()
-        if not isinstance(rec.buffer, HostBuffer) and staging is None:
-            staging = self._host.try_acquire(rec.nbytes)
-            if staging is None:
-                return None
-        self._counts["evictions"] += 1
-        self._counts["writebacks"] += 1
-        move = rec.move = Move(rec.state, Tier.NVME)
-        rec.to(Residency.TO_NVME)
-        self._freeing[tier] += rec.held.capacity
-        self._writer.submit(WriteBackJob(rec, move, tier, rec.held, staging))
-        done = handle_of(move.future)
-        self._writes.add(done)
-        return done
-
-    def _run_write_back(self, job: WriteBackJob) -> None:
-        """The writer thread: copy a CUDA buffer down to its staging buffer, then issue the write."""
-        if job.staging is not None:
-            try:
-                self._cuda.to_host(job.buffer, job.staging, job.record.nbytes)
-            except BaseException as e:  # noqa: BLE001
-                self._free(Tier.HOST, job.staging)
-                self._writeback_failed(job, e)
-                return
-        rec = job.record
-        try:
-            io = self._swap.write(rec.key, job.source.array, rec.nbytes, rec.dtype, rec.shape)
-        except BaseException as e:  # noqa: BLE001
-            if job.staging is not None:
-                self._free(Tier.HOST, job.staging)
-            self._writeback_failed(job, e)
-            return
-
-        def landed(h: Handle) -> None:
-            if job.staging is not None:
-                self._free(Tier.HOST, job.staging)
-            error = h.exception()
-            if error is not None:
-                self._writeback_failed(job, error)
-                return
-            with self._cond:
-                self._freeing[job.tier] -= job.buffer.capacity
-                rec.buffer = None
-                rec.dirty = False
-                self._land(rec, Residency.NVME, old_buffer=(job.buffer, STABLE[job.tier]))
-            job.move.future.set_result(None)
-
-        io.add_done_callback(landed)
-
-    def _writeback_failed(self, job: WriteBackJob, error: BaseException) -> None:
-        rec, move = job.record, job.move
-        with self._cond:
-            self._freeing[job.tier] -= job.buffer.capacity
-            rec.move = None
-            rec.to(move.source)  # the bytes stay in memory, still dirty: nothing is lost
-            self._last_writeback_error = error
-            self._cond.notify_all()
-        log.error("write-back of %r failed; it stays in memory: %s", rec.key, error)
-        move.future.set_exception(error)
