@@ -29,7 +29,7 @@ from outcore.offload.io_config import IOConfig, round_up
 from outcore.offload.moves import Moves
 from outcore.offload.residency import MOVING, STABLE, KeyRecord, Move, Residency, Tier
 from outcore.offload.write_back import WriteBackWorker
-from outcore.offload.writes import WriteBacks
+from outcore.offload.writes import Writes
 
 
 class StagedPut:
@@ -54,7 +54,7 @@ class StagedPut:
 
 
 
-class TieredStore(Moves, WriteBacks, Budgets):
+class TieredStore(Moves, Writes, Budgets):
     """Tensors by key, resting on NVMe, HOST or DEVICE, moved asynchronously between them."""
 
     def __init__(self, nvme_dir: str, device: str | torch.device = "cpu", device_budget: int = 1 << 30,

@@ -14,7 +14,7 @@ from outcore.offload.write_back import WriteBackJob
 log = logging.getLogger("outcore.offload.store")
 
 
-class WriteBacks(StoreCore):
+class Writes(StoreCore):
     """Writes to NVMe: puts, and write-backs of dirty keys leaving memory (self._cond held unless said)."""
 
     def _write(self, rec: KeyRecord, staging: HostBuffer, old: KeyRecord | None) -> Handle:
