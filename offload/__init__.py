@@ -1,4 +1,5 @@
-"""outcore's tiered storage manager: tensors paged between DEVICE, HOST and NVMe (SPEC.md §1).
+"""outcore's tiered storage manager: tensors paged between DEVICE, HOST and NVMe (its API is in
+the README, how it works in docs/design.md).
 
 Names are imported on first use, so that the torch-free parts (the I/O engines, used by
 `outcore bench-disk`) load without torch.

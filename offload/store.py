@@ -1,6 +1,6 @@
 """The tiered store: keys paged between DEVICE memory, HOST buffers and an NVMe swap file.
 
-Public contract: SPEC.md §1 and README. One `KeyRecord` per key (see [Note: residency] in
+Its API is in the README. One `KeyRecord` per key (see [Note: residency] in
 residency.py); every state change happens under the store's lock, every byte moves outside it:
 
 - moves that need memory and I/O run on a small pool of mover threads (moves.py); their future is

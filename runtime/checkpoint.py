@@ -1,4 +1,4 @@
-"""Sharded, checksummed, atomic checkpoints (SPEC.md §4).
+"""Sharded, checksummed, atomic checkpoints.
 
     <dir>/<tag>/rank<R>.safetensors   this rank's [master | exp_avg | exp_avg_sq] per chunk (fp32),
                                       whichever way the engine keeps them (runtime/optimizer.py)

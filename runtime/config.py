@@ -20,7 +20,7 @@ from outcore.runtime.policy import DTYPES, OFFLOADS
 
 @dataclass
 class Config:
-    """How the engine shards, where states rest, and how it computes. See SPEC.md §2.
+    """How the engine shards, where states rest, and how it computes (the README's Config table).
 
     stage:             1 shards optimizer states; 2 adds gradients; 3 adds parameters.
     offload_params:    where parameter shards rest between uses (stage 3 only).

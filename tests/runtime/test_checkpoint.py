@@ -54,7 +54,7 @@ def test_fp32_keeps_the_master_once_and_checkpoints_it_whole(tmp_path, params):
     e.store.release(chunk.opt_key)
     trained = unit.full_values()[chunk.start : chunk.end]
     saved = load_file(str(tmp_path / "ckpt" / "t" / "rank0.safetensors"))[chunk.opt_key]
-    assert torch.equal(saved, torch.cat([trained, m_v])), "the file keeps [master|m|v], as SPEC §4 says"
+    assert torch.equal(saved, torch.cat([trained, m_v])), "[master|m|v] per chunk"
     e.close()
 
 
