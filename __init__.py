@@ -5,7 +5,22 @@ The public API lives here; the packages under it are `outcore.offload` (the tier
 use, so that `outcore bench-disk` and the other torch-free paths start without importing torch.
 """
 
-import importlib
+from typing import TYPE_CHECKING
+
+from outcore.offload.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from outcore.offload.errors import OutOfBudgetError as OutOfBudgetError
+    from outcore.offload.errors import StorageCorruptError as StorageCorruptError
+    from outcore.offload.errors import StorageError as StorageError
+    from outcore.offload.errors import StorageFullError as StorageFullError
+    from outcore.offload.io_config import IOConfig as IOConfig
+    from outcore.offload.residency import Tier as Tier
+    from outcore.offload.store import TieredStore as TieredStore
+    from outcore.runtime.config import Config as Config
+    from outcore.runtime.engine import Engine as Engine
+    from outcore.runtime.materialize import deferred_init as deferred_init
+    from outcore.runtime.optimizer import AdamW as AdamW
 
 _EXPORTS = {
     "Engine": "outcore.runtime.engine",
@@ -23,9 +38,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'outcore' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

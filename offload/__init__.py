@@ -5,7 +5,19 @@ Names are imported on first use, so that the torch-free parts (the I/O engines, 
 `outcore bench-disk`) load without torch.
 """
 
-import importlib
+from typing import TYPE_CHECKING
+
+from outcore.offload.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from outcore.offload.errors import OutOfBudgetError as OutOfBudgetError
+    from outcore.offload.errors import StorageCorruptError as StorageCorruptError
+    from outcore.offload.errors import StorageError as StorageError
+    from outcore.offload.errors import StorageFullError as StorageFullError
+    from outcore.offload.handle import Handle as Handle
+    from outcore.offload.io_config import IOConfig as IOConfig
+    from outcore.offload.residency import Tier as Tier
+    from outcore.offload.store import TieredStore as TieredStore
 
 _EXPORTS = {
     "TieredStore": "outcore.offload.store",
@@ -19,9 +31,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'outcore.offload' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -2,7 +2,16 @@
 checkpoints and the config. Its public names are re-exported by `outcore` itself; they load on
 first use, so that the torch-free parts (the policy, the config's names) load without torch."""
 
-import importlib
+from typing import TYPE_CHECKING
+
+from outcore.offload.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from outcore.offload.io_config import IOConfig as IOConfig
+    from outcore.runtime.config import Config as Config
+    from outcore.runtime.engine import Engine as Engine
+    from outcore.runtime.materialize import deferred_init as deferred_init
+    from outcore.runtime.optimizer import AdamW as AdamW
 
 _EXPORTS = {
     "Config": "outcore.runtime.config",
@@ -13,9 +22,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'outcore.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

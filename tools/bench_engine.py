@@ -118,7 +118,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
                                   device_budget=budget if offload == "nvme" else None,
                                   host_budget=(host_budget or budget) if offload == "nvme" else None,
                                   sub_group_size=1 << 21,
-                                  io={"block_size": DISK_BLOCK, "threads": DISK_DEPTH, "checksum": checksum})
+                                  io=runtime.IOConfig(block_size=DISK_BLOCK, threads=DISK_DEPTH, checksum=checksum))
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
             starts = []
