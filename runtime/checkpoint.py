@@ -8,8 +8,8 @@
 Every rank writes into `<dir>/.<tag>.tmp/`, streaming one unit at a time from wherever its state
 rests (NVMe included). Rank 0 then writes meta.json and renames the folder into place, and only
 after that updates `latest`: a crash at any instant leaves the previous checkpoint whole.
-Loading checks the layout and each file's crc32 before reading a byte into the engine, and reads
-with safetensors (no unpickling).
+Loading checks the layout and the crc32 of each file it reads before reading a byte of it into the
+engine, and reads with safetensors (no unpickling). A checkpoint written by N ranks loads on M.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from outcore.offload import StorageCorruptError
+from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
@@ -50,7 +50,7 @@ def _layout(sm: ShardedModel) -> list[dict]:
     """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
     needs to rebuild the model's tensors from the rank files without the model)."""
     return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
-             "chunks": [[c.start, c.end] for c in u.chunks],
+             "frozen": u.frozen, "chunks": [[c.start, c.end] for c in u.chunks],
              "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
                         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)]}
             for u in sm.units]
@@ -85,8 +85,19 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     store, place = sm.store, sm.place
     chunks = [c for u in sm.units for c in u.chunks]
     buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in sm.model.state_dict().items()}
+    frozen = [u for u in sm.units if u.frozen]
     writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
+                               + [(u.param_key, u.dtype, (u.layout.shard,)) for u in frozen]
                                + [(k, v.dtype, tuple(v.shape)) for k, v in buffers.items()])
+    for u in frozen:  # parameters only: no optimizer state (runtime/units.py [Note: frozen units])
+        if u.aliased:
+            writer.write(u.param_key, u.flat.detach())
+            continue
+        shard = store.fetch(u.param_key, store.ram_tier_of(u.param_key) or place.work_tier).result()
+        try:
+            writer.write(u.param_key, shard)
+        finally:
+            store.release(u.param_key)
     for u in sm.units:
         # fp32: the master is the parameter shard, and the state holds [m|v] after it.
         lent = u.master_is_param and not u.aliased
@@ -171,32 +182,45 @@ def verify_rank_file(folder: str, meta: dict, name: str, *, checksum: bool = Tru
     return path
 
 
+def _fits(layout: list[dict]) -> list[dict]:
+    """The part of a unit layout that does not depend on the world size."""
+    return [{k: u.get(k, False) for k in ("name", "numel", "frozen", "params")} for u in layout]
+
+
 def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) -> dict:
-    """Restore the model states of a checkpoint written by `save_checkpoint` exactly; every rank
-    calls it. Returns its meta.json, whose step, lr and loss scale the engine restores itself."""
+    """Restore the model states of a checkpoint written by `save_checkpoint` exactly, on any number
+    of ranks (each reads its own new shard from whichever rank files hold it; see
+    runtime/checkpoint_shards.py); every rank calls it. Returns its meta.json, whose step, lr and
+    loss scale the engine restores itself."""
     sm.settle()
     tag = resolve_tag(directory, tag)
     folder = os.path.join(directory, tag)
     meta = read_meta(folder)
-    if meta.get("world_size") != sm.group.world:
-        raise ValueError(f"checkpoint {folder!r} was written by {meta.get('world_size')} ranks, this run has "
-                         f"{sm.group.world}; resume with the same world size.")
-    if meta.get("units") != _layout(sm):
+    if _fits(meta.get("units") or []) != _fits(_layout(sm)):
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
                          "(unit layout differs); build the same model with the same unit_classes.")
-    name = f"rank{sm.group.rank}.safetensors"
-    path = verify_rank_file(folder, meta, name)
-    store, place = sm.store, sm.place
-    with safe_open(path, framework="pt") as f, ParamWriter(store, place, in_place=False) as params:
+    shards = CheckpointShards(folder, meta, verify=lambda name: verify_rank_file(folder, meta, name))
+    store, place, rank = sm.store, sm.place, sm.group.rank
+    with ParamWriter(store, place, in_place=False) as params:
         for u in sm.units:
+            base = rank * u.layout.shard
+            if u.frozen:
+                values = shards.params(u.index, base, base + u.layout.shard).to(u.dtype)
+                if u.aliased:  # the stored shard is the live flat buffer
+                    with torch.no_grad():
+                        u.flat.copy_(values)
+                else:
+                    store.put(u.param_key, values, place.param_tier)
             for c in u.chunks:
-                state = f.get_tensor(c.opt_key)
-                store.put(c.opt_key, state[c.numel :] if u.master_is_param else state, place.opt_tier,
-                          return_home=place.opt_returns_home)
-                params.write(c, state[: c.numel])
+                master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
+                                for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
+                state = torch.cat([m, v] if u.master_is_param else [master, m, v])
+                store.put(c.opt_key, state, place.opt_tier, return_home=place.opt_returns_home)
+                params.write(c, master)
             if u.resident:
                 u.refresh()
-        buffers = {k[len(BUFFER_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(BUFFER_PREFIX)}
+    buffers = shards.buffers(BUFFER_PREFIX)
+    shards.close()
     if buffers:
         sm.model.load_state_dict(buffers, strict=False)
     steps = [int(n) for n in meta["unit_steps"]]

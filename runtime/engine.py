@@ -43,9 +43,10 @@ from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
 from outcore.runtime.host_heap import pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.materialize import materialize_unit
-from outcore.runtime.memory_plan import MemoryPlan, plan_memory
+from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
+from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_safetensors, full_state_dict
 from outcore.runtime.trace import Trace
@@ -64,7 +65,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, weights: str | os.PathLike | None = None) -> None:
         pin_mmap_threshold()  # see runtime/host_heap.py: RSS follows the budgets, not malloc's timing
         self.config, self.model = config, model
         self.device = _compute_device(device)
@@ -82,8 +83,11 @@ class Engine:
         plans = plan_units(model, config.unit_classes)
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
+        pretrained = PretrainedWeights(os.fspath(weights)) if weights is not None else None
+        if pretrained is not None:  # every name and shape checked before anything is written
+            pretrained.check([s for p in plans for s in p.slots], model)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
-        self.store, self.place, self._owned_dir = self._open_store(layouts)
+        self.store, self.place, self._owned_dir = self._open_store(_shapes(plans, layouts))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
@@ -94,12 +98,12 @@ class Engine:
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
-        self._materialize(plans, init_fn, seed)
+        self._materialize(init_fn, seed, pretrained)
         self._hooks: list[Any] = []
-        root = self.units[-1] if self.units[-1].plan.module is model else None
         for unit in self.units:
-            self._hooks += register_unit_hooks(self, unit, is_root=unit is root)
-            self._hooks.append(register_grad_hook(self, unit))
+            self._hooks += register_unit_hooks(self, unit, is_root=unit.plan.module is model)
+            if not unit.frozen:
+                self._hooks.append(register_grad_hook(self, unit))
 
     # -- the training loop's API ------------------------------------------------------------------
 
@@ -197,7 +201,7 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        return plan_memory([u.layout.shard for u in self.units], [u.layout.padded for u in self.units], self.policy)
+        return plan_memory(_shapes([u.plan for u in self.units], [u.layout for u in self.units]), self.policy)
 
     def close(self) -> None:
         self.updates.close()
@@ -217,8 +221,10 @@ class Engine:
         unit.bind_views()
 
     def unit_forward_end(self, unit: FlatUnit) -> None:
-        if self.phase is Phase.FORWARD and not unit.resident:
-            unit.reshard()  # ZeRO-3: the full parameters exist only while the unit runs
+        # ZeRO-3: the full parameters exist only while the unit runs (or, recomputed under
+        # activation checkpointing, until its backward).
+        if self.phase is not Phase.BACKWARD and not unit.resident and unit.state is UnitState.UNSHARDED:
+            unit.reshard()
 
     def unit_backward_start(self, unit: FlatUnit) -> None:
         self.updates.wait(unit)
@@ -233,6 +239,12 @@ class Engine:
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
         self.gradients.hand_over(unit, handed, self.lr)
+
+    def unit_backward_end(self, unit: FlatUnit) -> None:
+        """Backward is done with a frozen unit (its module's inputs have their gradients), or a root
+        unit ran without grad: let the full parameters go."""
+        if not unit.resident and unit.state is UnitState.UNSHARDED:
+            unit.reshard()
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -265,7 +277,7 @@ class Engine:
             if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
                 self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
 
-    def _open_store(self, layouts: list[Layout]) -> tuple[TieredStore, Placement, str | None]:
+    def _open_store(self, shapes: list[UnitShape]) -> tuple[TieredStore, Placement, str | None]:
         """The store, sized from the memory plan, and the final placement (whether optimizer states
         on NVMe are written back after each update depends on the host budget)."""
         c = self.config
@@ -273,7 +285,7 @@ class Engine:
         nvme_dir = c.nvme_dir
         if nvme_dir is None:  # nothing rests on NVMe; the store still wants a scratch directory
             nvme_dir = owned = tempfile.mkdtemp(prefix="outcore-")
-        plan = plan_memory([lay.shard for lay in layouts], [lay.padded for lay in layouts], self.policy)
+        plan = plan_memory(shapes, self.policy)
         device_budget, host_budget = _budgets(c, plan)
         # With room in HOST for every optimizer state, writing them to NVMe and reading them back
         # each step would buy nothing: they stay in HOST once updated.
@@ -282,26 +294,49 @@ class Engine:
                             prefetch_bytes=device_budget // 2)
         return store, place, owned
 
-    def _materialize(self, plans: list[UnitPlan], init_fn: Callable[[nn.Module], None] | None, seed: int) -> None:
-        """Initialize each unit's parameters, keep this rank's shard in the store, drop the rest."""
+    def _materialize(self, init_fn: Callable[[nn.Module], None] | None, seed: int,
+                     pretrained: PretrainedWeights | None) -> None:
+        """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
+        shard (the module's own copies are dropped); then the buffers, onto the device."""
         in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
         for unit in self.units:
-            materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed)
-            self._shard(unit)
-        for module in self.model.modules():
+            if pretrained is None:
+                materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed)
+            self._shard(unit, pretrained)
+        for prefix, module in self.model.named_modules():
             for name, buf in module._buffers.items():
-                if buf is not None and buf.device != self.device:
-                    module._buffers[name] = buf.to(self.device)
+                if buf is None:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                stored = pretrained.tensors.get(model_name(full)) if pretrained is not None else None
+                if pretrained is not None and stored is not None:
+                    buf = pretrained.read(stored, buf.dtype).to(buf.dtype)
+                elif buf.is_meta:
+                    raise ValueError(f"buffer {full!r} is on the meta device: its values were never computed. "
+                                     "Build the model under outcore.deferred_init(), which keeps buffers real, "
+                                     "or give them in weights=.")
+                if buf.device != self.device:
+                    buf = buf.to(self.device)
+                module._buffers[name] = buf
+        if pretrained is not None:
+            pretrained.close()
 
-    def _shard(self, unit: FlatUnit) -> None:
-        """Flatten the unit's (materialized) parameters, keep this rank's shard, drop the originals."""
+    def _shard(self, unit: FlatUnit, pretrained: PretrainedWeights | None) -> None:
+        """Flatten the unit's parameters (read from `pretrained` where it has them, else their own
+        values), keep this rank's shard, drop the originals."""
         lay, rank, place = unit.layout, self.group.rank, self.place
         flat32 = torch.zeros(lay.padded, dtype=torch.float32)
         for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
-            module, name = slot.places[0]
-            param = module._parameters[name]
-            assert param is not None
-            flat32[off : off + slot.numel].copy_(param.detach().reshape(-1))
+            stored = pretrained.find(slot) if pretrained is not None else None
+            if pretrained is not None and stored is not None:
+                value = pretrained.read(stored, torch.float32)
+            else:
+                module, name = slot.places[0]
+                param = module._parameters[name]
+                assert param is not None and not param.is_meta
+                value = param.detach()
+            flat32[off : off + slot.numel].copy_(value.reshape(-1))
+            del value
         master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
         for c in unit.chunks:
             state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
@@ -319,6 +354,13 @@ class Engine:
             else:
                 unit.unshard()
             unit.bind_views()
+
+
+def _shapes(plans: list[UnitPlan], layouts: list[Layout]) -> list[UnitShape]:
+    """The memory plan's view of the units (a unit and its frozen sibling share their module)."""
+    modules: dict[int, int] = {}
+    return [UnitShape(lay.shard, lay.padded, p.frozen, p.root, modules.setdefault(id(p.module), len(modules)))
+            for p, lay in zip(plans, layouts, strict=True)]
 
 
 def _compute_device(device: str | torch.device | None) -> torch.device:

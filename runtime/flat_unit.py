@@ -40,7 +40,7 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
-from outcore.runtime.policy import StatePolicy
+from outcore.runtime.policy import StatePolicy, padded_numel
 from outcore.runtime.units import UnitPlan
 
 
@@ -66,12 +66,6 @@ class Layout:
             n += s.numel
         padded = padded_numel(n, world, elem_size)
         return cls(tuple(offsets), n, padded, padded // world)
-
-
-def padded_numel(numel: int, world: int, elem_size: int) -> int:
-    """A unit's flat buffer length: split evenly across ranks, each shard a whole number of pages."""
-    align = world * max(1, 4096 // elem_size)
-    return -(-max(numel, 1) // align) * align
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -112,12 +106,14 @@ class FlatUnit:
         self.group = group
         self.store = store
         self.resident = policy.resident
-        self.chunks = [Chunk(self, c, a, b) for c, (a, b) in enumerate(policy.chunk_bounds(layout.shard))]
+        self.frozen = plan.frozen  # no gradient, no optimizer state: runtime/units.py [Note: frozen units]
+        bounds = [] if self.frozen else policy.chunk_bounds(layout.shard)
+        self.chunks = [Chunk(self, c, a, b) for c, (a, b) in enumerate(bounds)]
         self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
-        self.flat = torch.empty(layout.padded, dtype=self.dtype, device=device).requires_grad_()
+        self.flat = torch.empty(layout.padded, dtype=self.dtype, device=device).requires_grad_(not self.frozen)
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
         # fp32: the parameter shard is the master weights, and chunk states are [m|v] (runtime/optimizer.py).
@@ -133,15 +129,15 @@ class FlatUnit:
 
     @property
     def name(self) -> str:
-        return self.plan.name or "<root>"
+        return (self.plan.name or "<root>") + (" (frozen)" if self.frozen else "")
 
     def alias_shard(self) -> None:
         """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good).
         With `master_is_param` the fused update then writes the live parameters, nothing copied."""
-        assert self.group.world == 1 and self.resident and len(self.chunks) == 1
+        assert self.group.world == 1 and self.resident and len(self.chunks) == (0 if self.frozen else 1)
         assert self.state is UnitState.SHARDED, f"{self.name}: already gathered"
         shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
-        self.flat = shard.detach().requires_grad_()
+        self.flat = shard.detach().requires_grad_(not self.frozen)
         self._aliased = True
         self.state = UnitState.UNSHARDED
 

@@ -3,9 +3,11 @@
 - forward pre-hook of a unit's module: gather the unit, point its parameters at the full buffer;
 - forward hook: release the unit (ZeRO-3) and arm a pre-backward hook on its outputs;
 - the unit's gradient callback (`FlatUnit.on_gradient`, called from its views' backward): its
-  parameters' gradients are complete, reduce them.
+  parameters' gradients are complete, reduce them;
+- a frozen unit has no gradient to say when backward is done with it: a hook on the gradients of
+  its module's inputs does (runtime/units.py [Note: frozen units]).
 The root unit (everything outside the repeated blocks) is gathered in the root's forward pre-hook
-and released only when its own gradient is complete.
+and released only when its own gradient is complete, or, without grad, when its forward returns.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class UnitHookTarget(Protocol):
     def unit_forward_end(self, unit: FlatUnit) -> None: ...
     def unit_backward_start(self, unit: FlatUnit) -> None: ...
     def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None: ...
+    def unit_backward_end(self, unit: FlatUnit) -> None: ...
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -46,9 +49,23 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads: engine.unit_backward_start(unit), mode="any")
 
+    def after_inputs_grads(_module, args, kwargs):
+        tensors = _grad_tensors((args, kwargs)) if torch.is_grad_enabled() else []
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _grads: engine.unit_backward_end(unit), mode="all")
+
+    def root_without_grad(_module, _args, _output):
+        if not torch.is_grad_enabled():  # no backward will come to release it (inference, generate)
+            engine.unit_backward_end(unit)
+
     handles = [module.register_forward_pre_hook(pre_forward)]
     if not is_root:
         handles.append(module.register_forward_hook(post_forward))
+    else:
+        handles.append(module.register_forward_hook(root_without_grad))
+    if unit.frozen and not is_root:
+        handles.append(module.register_forward_pre_hook(after_inputs_grads, with_kwargs=True))
     return handles
 
 

@@ -1,13 +1,18 @@
-"""Deferred initialization: models built on the meta device, materialized one unit at a time.
+"""Deferred initialization: parameters on the meta device, materialized one unit at a time.
 
     with outcore.deferred_init():
-        model = MyModel()          # no real memory: every tensor is on the meta device
+        model = MyModel()          # parameters take no memory: they are on the meta device
     engine = outcore.Engine(model, config)   # each unit is materialized, sharded, then dropped
 
-A module is initialized by `init_fn(module)` when given, else by its own `reset_parameters()`.
-Each unit draws from its own seeded generator state, so initialization is reproducible and does
-not depend on how the model was split. Buffers computed in `__init__` (rotary tables, masks) are
-lost on the meta device: recompute them in `reset_parameters` or `init_fn`.
+Only parameters go to the meta device, as each is registered (through torch's parameter
+registration hook, as Accelerate's `init_empty_weights(include_buffers=False)` does): buffers
+computed in `__init__` (rotary tables, masks) keep their real values. A parameter is created on the
+CPU first and moved at once, so the transient is one parameter, and `torch.empty` costs no memory
+until touched. While the context is open this applies to modules built by any thread.
+
+A module's parameters are then initialized by `init_fn(module)` when given, else by its own
+`reset_parameters()` (or come from `weights=`; see runtime/pretrained.py). Each unit draws from its
+own seeded generator state, so initialization is reproducible and does not depend on the split.
 """
 
 from __future__ import annotations
@@ -17,15 +22,31 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from outcore.runtime.units import UnitPlan
 
 
 @contextlib.contextmanager
 def deferred_init() -> Iterator[None]:
-    """Build modules on the meta device: shapes and structure only, no memory."""
-    with torch.device("meta"):
+    """Build modules whose parameters are shapes only (the meta device); buffers stay real."""
+    # torch annotates the hook as returning None, though it documents (and applies) a returned parameter.
+    handle = register_module_parameter_registration_hook(_on_the_meta_device)  # type: ignore[arg-type]
+    try:
         yield
+    finally:
+        handle.remove()
+
+
+def _on_the_meta_device(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if param is None or param.is_meta:
+        return None
+    return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+
+def meta_parameters(module: nn.Module) -> list[str]:
+    """Names of `module`'s own parameters that have no values yet."""
+    return [n for n, p in module._parameters.items() if p is not None and p.is_meta]
 
 
 def _unit_modules(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module]) -> list[nn.Module]:
@@ -36,23 +57,26 @@ def _unit_modules(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module]) ->
 
 def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module], *,
                      init_fn: Callable[[nn.Module], None] | None, seed: int) -> None:
-    """Give the unit's meta tensors real CPU memory and initialize them (no-op when already real)."""
-    modules = _unit_modules(plan, model, in_units)
-    if not any(t.is_meta for m in modules for t in (*m._parameters.values(), *m._buffers.values())
-               if t is not None):
+    """Give the unit's meta parameters real CPU memory and initialize them (no-op when already real).
+    Buffers are left as they are."""
+    modules = [m for m in _unit_modules(plan, model, in_units) if meta_parameters(m)]
+    if not modules:
         return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + plan.index)
         for m in modules:
-            if any(t is not None and t.is_meta for t in (*m._parameters.values(), *m._buffers.values())):
-                m.to_empty(device="cpu", recurse=False)
-                with torch.no_grad():
-                    if init_fn is not None:
-                        init_fn(m)
-                    elif callable(reset := getattr(m, "reset_parameters", None)):
-                        reset()
-                    elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
-                        reset()
-                    elif m._parameters:
-                        raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
-                                         "reset_parameters(); pass init_fn= to the Engine to initialize it.")
+            for name in meta_parameters(m):
+                p = m._parameters[name]
+                assert p is not None
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(m)
+                elif callable(reset := getattr(m, "reset_parameters", None)):
+                    reset()
+                elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
+                    reset()
+                else:
+                    raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
+                                     "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
+                                     "weights= to load it.")

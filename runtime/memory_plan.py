@@ -21,13 +21,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outcore.runtime.policy import HANDED_OVER, StatePolicy
+from outcore.runtime.policy import HANDED_OVER, StatePolicy, padded_numel
 
 PAGE = 4096
 
 
 def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
+
+
+@dataclass(frozen=True, slots=True)
+class UnitShape:
+    """One unit as the plan sees it: elements of this rank's shard and of the whole (padded) buffer."""
+
+    shard: int
+    padded: int
+    frozen: bool = False  # no gradient, no optimizer state (runtime/units.py [Note: frozen units])
+    root: bool = False  # the root unit or its frozen sibling: gathered from first forward to last backward
+    module: int = 0  # units of one module (a unit and its frozen sibling) share it: gathered together
+
+
+def unit_shapes(numels: list[int], policy: StatePolicy, *, frozen: list[bool] | None = None,
+                roots: list[bool] | None = None, modules: list[int] | None = None) -> list[UnitShape]:
+    """Shapes of units of `numels` parameters each. Without `roots`, the last unit is the root's;
+    without `modules`, every unit is a module of its own (no frozen siblings)."""
+    n = len(numels)
+    frozen = frozen or [False] * n
+    roots = roots or [i == n - 1 for i in range(n)]
+    modules = modules or list(range(n))
+    out = []
+    for numel, fz, root, module in zip(numels, frozen, roots, modules, strict=True):
+        padded = padded_numel(numel, policy.world, policy.elem)
+        out.append(UnitShape(padded // policy.world, padded, fz, root, module))
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,10 +90,10 @@ class MemoryPlan:
                 for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}
 
 
-def plan_memory(shards: list[int], padded: list[int], policy: StatePolicy) -> MemoryPlan:
-    """Per-rank bytes of every tier. `shards`/`padded`: elements of each unit's shard / whole buffer.
-    Overlapped updates (`policy.overlapped`) drop each unit's gradient as soon as it is final, so
-    gradients of about one unit are alive at once instead of all of them until the step."""
+def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
+    """Per-rank bytes of every tier for these units. Overlapped updates (`policy.overlapped`) drop
+    each unit's gradient as soon as it is final, so gradients of about one unit are alive at once
+    instead of all of them until the step. Frozen units count their parameters only."""
     depth = max(1, policy.prefetch_depth)
     near = max(1, policy.device_window)  # the plan counts at least one unit ahead
     elem, overlapped, device_type = policy.elem, policy.overlapped, policy.device_type
@@ -75,24 +101,29 @@ def plan_memory(shards: list[int], padded: list[int], policy: StatePolicy) -> Me
     work_on_device = opt_on == "none"
     resident, aliased, in_place = policy.resident, policy.aliased, policy.master_is_param
     state_elem = 8 if in_place else 12  # [m|v] or [master|m|v], fp32
-    chunks = [[b - a for a, b in policy.chunk_bounds(s)] for s in shards]
+    chunks = [[b - a for a, b in policy.chunk_bounds(u.shard)] for u in units if not u.frozen]
     flat = [c for cs in chunks for c in cs]
-    chunk = max(flat)
+    chunk = max(flat, default=0)
 
-    param_all = sum(_pages(s * elem) for s in shards)  # one key per unit
+    param_all = sum(_pages(u.shard * elem) for u in units)  # one key per unit
     state_all = sum(_pages(c * state_elem) for c in flat)
     grad_all = sum(_pages(c * 4) for c in flat)
     # One micro-step, overlapped, and the gradient already where the update runs: the update takes
     # the shard itself (no store key), and backward waits while HANDED_OVER of them are in flight.
     handed_over = policy.hands_over
     if overlapped:
-        grad_all = max(sum(_pages(c * 4) for c in cs) for cs in chunks)
-    largest_unit = max(_pages(s * elem) for s in shards)
-    full = [_pages(p * elem) for p in padded]
+        grad_all = max((sum(_pages(c * 4) for c in cs) for cs in chunks), default=0)
+    largest_unit = max(_pages(u.shard * elem) for u in units)
+    full = [_pages(u.padded * elem) for u in units]
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
-    # last backward) and, in backward, the unit computing and the one whose output gradient it made.
-    blocks = sorted(full[:-1], reverse=True)[:2]
-    held = full[-1] + sum(blocks) + PAGE * (1 + len(blocks))
+    # last backward) and, in backward, the unit computing and the one whose output gradient it made
+    # (each with its frozen sibling).
+    by_module: dict[int, int] = {}
+    for u, f in zip(units, full, strict=True):
+        if not u.root:
+            by_module[u.module] = by_module.get(u.module, 0) + f + PAGE
+    blocks = sorted(by_module.values(), reverse=True)[:2]
+    held = sum(f + PAGE for u, f in zip(units, full, strict=True) if u.root) + sum(blocks)
     borrowing = policy.borrowing
 
     dev = dict(states=0, runtime=0, gathered=0)
@@ -131,7 +162,7 @@ def plan_memory(shards: list[int], padded: list[int], policy: StatePolicy) -> Me
     elif opt_on == "nvme":
         # Read ahead, update, write back. During backward each unit streams on its own, so a unit
         # of few chunks has fewer on the way.
-        ahead = depth if not overlapped else min(depth, max(len(cs) for cs in chunks) - 1)
+        ahead = depth if not overlapped else min(depth, max((len(cs) for cs in chunks), default=1) - 1)
         window = (ahead + 1) * (_pages(chunk * state_elem) + PAGE)
         host["runtime"] += window
         host_min += window

@@ -29,6 +29,12 @@ def torch_dtype(name: str) -> torch.dtype:
 HANDED_OVER = 2  # overlapped updates holding their gradient shard in memory at once
 
 
+def padded_numel(numel: int, world: int, elem_size: int) -> int:
+    """A unit's flat buffer length: split evenly across ranks, each shard a whole number of pages."""
+    align = world * max(1, 4096 // elem_size)
+    return -(-max(numel, 1) // align) * align
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a unit's states rest and where its update runs."""

@@ -5,6 +5,12 @@ The units are the repeated blocks (or the modules of the classes the config name
 blocks were found automatically, every module outside them that is at least as large as a block
 (an untied head, an embedding), and last the root unit with everything else.
 
+[Note: frozen units] Parameters that do not require grad (a frozen base under LoRA, a frozen
+embedding) are planned apart from the trainable ones of the same module: a module with both gets
+two units, the trainable one and its frozen sibling, which move together but keep separate flat
+buffers. A frozen unit has no gradient and no optimizer state; its shard rests in the compute
+dtype and is never written back.
+
 [Note: unit ownership] A parameter belongs to the unit whose subtree holds every module that
 registers it. A parameter shared across units (tied embeddings: the embedding in the root and the
 head in the root, or a block's weight reused elsewhere) belongs to their common ancestor's unit,
@@ -26,6 +32,7 @@ class ParamSlot:
 
     param: nn.Parameter | None  # None once the engine has flattened it
     shape: torch.Size
+    frozen: bool = False  # requires_grad=False
     places: list[tuple[nn.Module, str]] = field(default_factory=list)
     state_dict_names: list[str] = field(default_factory=list)
 
@@ -42,6 +49,8 @@ class UnitPlan:
     name: str
     module: nn.Module
     slots: list[ParamSlot] = field(default_factory=list)
+    frozen: bool = False  # see [Note: frozen units]
+    root: bool = False  # the root unit (or its frozen sibling)
 
     @property
     def numel(self) -> int:
@@ -120,7 +129,7 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
                 continue
             unit = module_unit.get(m, root)
             if p not in slots:
-                slots[p] = ParamSlot(p, p.shape)
+                slots[p] = ParamSlot(p, p.shape, frozen=not p.requires_grad)
                 owner[p] = unit
             elif owner[p] is not unit:
                 owner[p] = root  # shared across units: the common ancestor owns it
@@ -129,11 +138,19 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
                 slot.places.append((m, pname))
             slot.state_dict_names.append(f"{mod_name}.{pname}" if mod_name else pname)
     for p, slot in slots.items():
-        if not p.requires_grad:
-            raise ValueError(f"parameter {slot.state_dict_names[0]!r} does not require grad; outcore trains every "
-                             "parameter it shards: register frozen tensors as buffers instead.")
         owner[p].slots.append(slot)
-    planned = [u for u in units if u.slots] + ([root] if root.slots else [])
+    root.root = True
+    planned = [part for u in [*units, root] for part in _split_frozen(u)]
     for i, u in enumerate(planned):
         u.index = i
     return planned
+
+
+def _split_frozen(unit: UnitPlan) -> list[UnitPlan]:
+    """The unit's trainable part, then its frozen sibling (either left out when empty)."""
+    trainable = [s for s in unit.slots if not s.frozen]
+    frozen = [s for s in unit.slots if s.frozen]
+    parts = [UnitPlan(unit.index, unit.name, unit.module, trainable, root=unit.root)] if trainable else []
+    if frozen:
+        parts.append(UnitPlan(unit.index, unit.name, unit.module, frozen, frozen=True, root=unit.root))
+    return parts

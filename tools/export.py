@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 
-import torch
-from safetensors import safe_open
-
 from outcore.offload import StorageCorruptError
 from outcore.runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
+from outcore.runtime.checkpoint_shards import CheckpointShards
 from outcore.runtime.policy import DTYPES, torch_dtype
 from outcore.runtime.safetensors_stream import SafetensorsWriter
 
@@ -37,24 +35,6 @@ def read_export_meta(folder: str, *, verify: bool = True) -> dict:
     return meta
 
 
-def _assemble(unit: dict, index: int, param: dict, files: list, world: int) -> torch.Tensor:
-    """One parameter's fp32 values from the master part of the chunks that overlap it."""
-    offset, numel = param["offset"], 1
-    for d in param["shape"]:
-        numel *= d
-    out = torch.empty(numel, dtype=torch.float32)
-    shard = unit["shard"]
-    for rank in range(world):
-        base = rank * shard
-        for c, (start, end) in enumerate(unit["chunks"]):
-            lo, hi = max(offset, base + start), min(offset + numel, base + end)
-            if lo >= hi:
-                continue
-            part = files[rank].get_slice(f"u{index}.opt{c}")[lo - base - start : hi - base - start]
-            out[lo - offset : hi - offset] = part
-    return out.view(param["shape"])
-
-
 def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str | None = None,
                       verify: bool = True) -> dict:
     """Write every parameter and buffer of the checkpoint at `path` into one safetensors file.
@@ -63,7 +43,6 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     The file appears whole or not at all (written beside it, then renamed)."""
     folder = checkpoint_folder(path, tag)
     meta = read_export_meta(folder, verify=verify)
-    world = int(meta["world_size"])
     dtype = dtype or meta["config"].get("dtype", "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
@@ -72,8 +51,8 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
         for param in unit["params"]:
             for name in param["names"]:
                 where[name] = (index, param)
-    files = [safe_open(os.path.join(folder, f"rank{r}.safetensors"), framework="pt") for r in range(world)]
-    buffers = {k[len(BUFFER_PREFIX):]: files[0].get_tensor(k) for k in files[0].keys() if k.startswith(BUFFER_PREFIX)}
+    shards = CheckpointShards(folder, meta)
+    buffers = shards.buffers(BUFFER_PREFIX)
     entries = []
     for key in meta["state_dict_keys"]:
         if key in where:
@@ -92,8 +71,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
             if key in where:
                 unit_index, param = where[key]
                 if last_value is None or last_param is not param:  # tied names share one assembled tensor
-                    last_param, last_value = param, _assemble(meta["units"][unit_index], unit_index, param,
-                                                              files, world)
+                    last_param, last_value = param, shards.parameter(unit_index, param)
                 value = last_value.to(torch_dtype(dtype))
                 largest = max(largest, last_value.numel() * 4)
             else:

@@ -7,7 +7,7 @@ import pytest
 from models import TinyGPT
 
 import outcore
-from outcore.runtime.memory_plan import PAGE, plan_memory
+from outcore.runtime.memory_plan import PAGE, UnitShape, plan_memory
 from outcore.runtime.policy import StatePolicy
 from outcore.tools.estimate import estimate
 
@@ -17,6 +17,11 @@ BASE = StatePolicy(world=1, stage=3, offload_params="nvme", offload_optimizer="n
 
 def policy(**kw) -> StatePolicy:
     return dataclasses.replace(BASE, **kw)
+
+
+def shapes(shards: list[int], frozen: tuple[int, ...] = ()) -> list[UnitShape]:
+    """One rank's units, the last the root; those at `frozen` indices frozen modules of their own."""
+    return [UnitShape(s, s, i in frozen, i == len(shards) - 1, i) for i, s in enumerate(shards)]
 
 
 @pytest.mark.parametrize(("shard", "group"), [(10_000, 4096), (4096, 4096), (5, 4096), (1 << 20, 1 << 22)])
@@ -64,27 +69,27 @@ def test_the_fp32_parameter_shard_is_the_master_except_on_a_gpu_keeping_it_apart
 
 def test_the_plan_counts_states_where_they_rest_by_hand():
     shards = [8192, 8192, 4096]  # elements (whole pages in fp32)
-    plan = plan_memory(shards, shards, policy())
+    plan = plan_memory(shapes(shards), policy())
     assert plan.nvme.states == 4 * sum(shards) + 8 * sum(shards)  # fp32 params + [m|v]
     assert plan.optimizer_states == 8 * sum(shards)
     assert plan.device.states == plan.host.states == 0
     # Clipping: every unit's fp32 gradient lives in the work tier (HOST) until the step.
     assert plan.host.runtime >= 4 * sum(shards)
-    bf16 = plan_memory(shards, shards, policy(dtype="bf16"))
+    bf16 = plan_memory(shapes(shards), policy(dtype="bf16"))
     assert bf16.nvme.states == 2 * sum(shards) + 12 * sum(shards)  # bf16 params + [master|m|v]
 
 
 def test_overlapped_updates_hold_about_one_units_gradient():
     shards = [8192] * 6
-    clipped = plan_memory(shards, shards, policy(clipping=True))
-    overlapped = plan_memory(shards, shards, policy(clipping=False))
+    clipped = plan_memory(shapes(shards), policy(clipping=True))
+    overlapped = plan_memory(shapes(shards), policy(clipping=False))
     grads = 4 * sum(shards)
     assert clipped.host.runtime - overlapped.host.runtime >= grads - 2 * 4 * 8192 - PAGE * 8
 
 
 def test_nothing_offloaded_keeps_every_state_on_the_device():
     shards = [8192, 4096]
-    plan = plan_memory(shards, shards, policy(offload_params="none", offload_optimizer="none"))
+    plan = plan_memory(shapes(shards), policy(offload_params="none", offload_optimizer="none"))
     assert plan.nvme.total == 0 and plan.host.states == 0
     assert plan.device.states == 4 * sum(shards) + 8 * sum(shards)
     assert plan.device_min == plan.device.states + plan.device.runtime

@@ -1,0 +1,89 @@
+"""Any range of a unit's states, read from a checkpoint's rank files whatever world size wrote them.
+
+A checkpoint cuts each unit by the unit layout (its parameters' offsets in the flat buffer), and
+each of its N rank files holds that rank's shard: per optimizer chunk `u<i>.opt<c>` the fp32
+`[master | exp_avg | exp_avg_sq]` of elements [shard·r + start, shard·r + end), and for a frozen
+unit its parameters `u<i>.param` in the compute dtype. `CheckpointShards` reassembles elements
+[lo, hi) of the whole unit from the files that hold them, so that M ranks can resume what N wrote
+(each reads the pieces of its own new shard) and `outcore export` can rebuild each parameter.
+Elements past the unit's parameters are padding and read as zeros. Only the slices needed are read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+
+
+class CheckpointShards:
+    """The rank files of one checkpoint folder, opened (and verified, by `verify(name)`) on first use."""
+
+    def __init__(self, folder: str, meta: dict, verify: Callable[[str], str] | None = None) -> None:
+        self.folder, self.meta = folder, meta
+        self.world = int(meta["world_size"])
+        self._verify = verify
+        self._files: dict[int, object] = {}
+
+    def _file(self, rank: int):
+        f = self._files.get(rank)
+        if f is None:
+            name = f"rank{rank}.safetensors"
+            path = self._verify(name) if self._verify else os.path.join(self.folder, name)
+            f = self._files[rank] = safe_open(path, framework="pt")
+        return f
+
+    def buffers(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Model buffers (every rank file holds them), keys without `prefix`."""
+        f = self._file(0)
+        return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+    def state(self, index: int, lo: int, hi: int, part: int) -> torch.Tensor:
+        """Elements [lo, hi) of unit `index`'s fp32 master, exp_avg or exp_avg_sq (`part`)."""
+        unit = self.meta["units"][index]
+        out = torch.zeros(hi - lo, dtype=torch.float32)
+        for rank, base, (c, (start, end)) in self._pieces(unit, lo, hi):
+            a, b = max(lo, base + start), min(hi, base + end)
+            n = end - start
+            piece = self._file(rank).get_slice(f"u{index}.opt{c}")
+            out[a - lo : b - lo] = piece[part * n + a - base - start : part * n + b - base - start]
+        return out
+
+    def params(self, index: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of frozen unit `index`'s parameters, in the dtype they were saved in."""
+        unit = self.meta["units"][index]
+        shard = unit["shard"]
+        out: torch.Tensor | None = None
+        for rank in range(lo // shard, min(self.world, -(-hi // shard))):
+            base = rank * shard
+            a, b = max(lo, base), min(hi, base + shard)
+            piece = self._file(rank).get_slice(f"u{index}.param")[a - base : b - base]
+            if out is None:
+                out = torch.zeros(hi - lo, dtype=piece.dtype)
+            out[a - lo : b - lo] = piece
+        return out if out is not None else torch.zeros(hi - lo)
+
+    def parameter(self, index: int, param: dict) -> torch.Tensor:
+        """One parameter of unit `index` (a `meta["units"][i]["params"]` entry), whole, in fp32."""
+        numel = 1
+        for d in param["shape"]:
+            numel *= d
+        lo = param["offset"]
+        if self.meta["units"][index].get("frozen"):
+            return self.params(index, lo, lo + numel).float().view(param["shape"])
+        return self.state(index, lo, lo + numel, MASTER).view(param["shape"])
+
+    def _pieces(self, unit: dict, lo: int, hi: int):
+        shard = unit["shard"]
+        for rank in range(lo // shard, min(self.world, -(-hi // shard))):
+            base = rank * shard
+            for c, (start, end) in enumerate(unit["chunks"]):
+                if max(lo, base + start) < min(hi, base + end):
+                    yield rank, base, (c, (start, end))
+
+    def close(self) -> None:
+        self._files.clear()

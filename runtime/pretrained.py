@@ -1,0 +1,157 @@
+"""Pretrained weights read straight into the units as they are materialized (`Engine(weights=...)`).
+
+`weights` names a safetensors file or a directory of them: the Hugging Face sharded layout (with
+`model.safetensors.index.json`), or any `*.safetensors` files without an index. Tensors are
+matched to the model by `model.state_dict()` name; a tied weight stored under any one of its names
+fills all of them. Everything is checked before a byte is read into the engine: a missing or
+unexpected name, or a shape or dtype that cannot be converted, is one `ValueError` naming the tensor
+and its file. A unit's tensors are then read one at a time (safetensors maps the file; a tensor is
+read when asked for), so the model is never whole in memory.
+
+A parameter that already holds values (a LoRA adapter created outside `deferred_init()`) keeps
+them and need not be in the files. A model wrapped by peft is matched under the base model's names
+(`base_model.model.` and `.base_layer` dropped), so the base model's own files load into it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from outcore.runtime.units import ParamSlot
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    file: str
+    key: str  # its name in the file
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: a dtype torch cannot hold
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files `path` names (a file, or a directory with or without an index)."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise ValueError(f"weights={path!r} does not exist; name a .safetensors file or a directory of them.")
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index!r} is not a safetensors index ({e}).") from e
+        files = sorted({os.path.join(path, name) for name in weight_map.values()})
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise ValueError(f"{index!r} names {os.path.basename(missing[0])!r}, which is missing from {path!r} "
+                             f"({len(missing)} of its {len(files)} files are).")
+        return files
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"weights={path!r} holds no .safetensors file.")
+    return files
+
+
+def model_name(name: str) -> str:
+    """A state-dict name as the base model's own files spell it (peft's wrapping taken off)."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+class PretrainedWeights:
+    """The tensors of `path` by name, checked against a model's parameters and buffers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in weight_files(path):
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for key in f.keys():
+                        piece = f.get_slice(key)
+                        name = model_name(key)
+                        if name in self.tensors:
+                            raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} "
+                                             f"and {file!r}.")
+                        self.tensors[name] = StoredTensor(file, key, tuple(piece.get_shape()),
+                                                          ST_TO_TORCH.get(piece.get_dtype()))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
+        self._open: dict[str, object] = {}
+        self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
+
+    def check(self, slots: Iterable[ParamSlot], model: nn.Module) -> None:
+        """Every parameter without values has a tensor of its shape in the files, and the files hold
+        nothing the model does not; otherwise one ValueError naming the first tensor at fault."""
+        known: set[str] = set()
+        for slot in slots:
+            names = [model_name(n) for n in slot.state_dict_names]
+            known.update(names)
+            stored = self.find(slot)
+            if stored is None:
+                if slot.param is not None and slot.param.is_meta:
+                    raise ValueError(f"weights {self.path!r} have no tensor {names[0]!r}"
+                                     + (f" (nor {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
+                                     + "; it is a parameter of the model. Name the files of this model.")
+                continue
+            self._check_fits(stored, tuple(slot.shape), torch.float32, names[0])
+        buffers = {model_name(n): b for n, b in model.named_buffers()}
+        for name, buf in buffers.items():
+            if name in self.tensors:
+                self._check_fits(self.tensors[name], tuple(buf.shape), buf.dtype, name)
+        known.update(buffers)
+        unexpected = sorted(set(self.tensors) - known)
+        if unexpected:
+            first = self.tensors[unexpected[0]]
+            raise ValueError(f"{first.file!r} holds {first.key!r}, which is not in the model"
+                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                             + ": these weights are for another model.")
+
+    def find(self, slot: ParamSlot) -> StoredTensor | None:
+        """The stored tensor of a parameter, under whichever of its (tied) names it was saved."""
+        for name in slot.state_dict_names:
+            stored = self.tensors.get(model_name(name))
+            if stored is not None:
+                return stored
+        return None
+
+    def read(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor, as `dtype` (a conversion is said once per pair of dtypes)."""
+        f = self._open.get(stored.file)
+        if f is None:
+            f = self._open[stored.file] = safe_open(stored.file, framework="pt")
+        value = f.get_tensor(stored.key)  # type: ignore[attr-defined]
+        if value.dtype != dtype and (value.dtype, dtype) not in self._converted:
+            self._converted.add((value.dtype, dtype))
+            log.info("weights: converting %s tensors of %s to %s", value.dtype, self.path, dtype)
+        return value
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def _check_fits(self, stored: StoredTensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+        if stored.shape != shape:
+            raise ValueError(f"tensor {stored.key!r} in {stored.file!r} has shape {list(stored.shape)}, the "
+                             f"model's {name!r} has {list(shape)}: these weights are for another model or config.")
+        convertible = stored.dtype is not None and (
+            stored.dtype == dtype or (stored.dtype.is_floating_point and dtype.is_floating_point))
+        if not convertible:
+            raise ValueError(f"tensor {stored.key!r} in {stored.file!r} is {stored.dtype or 'of an unknown dtype'}, "
+                             f"which cannot be converted to the model's {dtype}.")
