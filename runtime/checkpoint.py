@@ -84,7 +84,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     path = os.path.join(tmp, name)
     store, place = sm.store, sm.place
     chunks = [c for u in sm.units for c in u.chunks]
-    buffers = {BUFFER_PREFIX + k: v.detach().cpu().contiguous() for k, v in sm.model.state_dict().items()}
+    buffers = {BUFFER_PREFIX + k: v.contiguous() for k, v in sm.buffers().items()}
     frozen = [u for u in sm.units if u.frozen]
     writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
                                + [(u.param_key, u.dtype, (u.layout.shard,)) for u in frozen]

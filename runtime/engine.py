@@ -48,7 +48,7 @@ from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.sharded_model import ShardedModel
-from outcore.runtime.state_dict import export_safetensors, full_state_dict
+from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import UnitPlan, plan_units
 from outcore.runtime.update_stream import UpdateStream
@@ -84,8 +84,9 @@ class Engine:
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
         pretrained = PretrainedWeights(os.fspath(weights)) if weights is not None else None
+        adapters = _is_peft(model)  # trainable parameters missing from the files are its adapters
         if pretrained is not None:  # every name and shape checked before anything is written
-            pretrained.check([s for p in plans for s in p.slots], model)
+            pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         self.store, self.place, self._owned_dir = self._open_store(_shapes(plans, layouts))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
@@ -99,11 +100,18 @@ class Engine:
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._materialize(init_fn, seed, pretrained)
+        self.sharded.anchor(self.device, self.policy.torch_dtype)
         self._hooks: list[Any] = []
         for unit in self.units:
             self._hooks += register_unit_hooks(self, unit, is_root=unit.plan.module is model)
             if not unit.frozen:
                 self._hooks.append(register_grad_hook(self, unit))
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model. Called directly (under `torch.no_grad()`, or its `generate()`), it
+        fetches each unit as it runs and lets it go after, as in training."""
+        return self.model
 
     # -- the training loop's API ------------------------------------------------------------------
 
@@ -186,9 +194,20 @@ class Engine:
         """Keys and shapes of `model.state_dict()`, trained values, on CPU; every rank calls it."""
         return full_state_dict(self.sharded)
 
-    def export(self, path: str) -> None:
-        """One consolidated safetensors file, streamed unit by unit; every rank calls it."""
-        export_safetensors(self.sharded, path)
+    def export(self, path: str | os.PathLike, *, adapters_only: bool = False,
+               max_shard_size: int = 5_000_000_000) -> None:
+        """Streamed unit by unit; every rank calls it. `path` ending in `.safetensors`: one file of
+        every tensor. Otherwise a Hugging Face directory that `from_pretrained` loads: shards of at
+        most `max_shard_size` bytes, their index, and config.json when the model carries an HF
+        config. `adapters_only`: a peft model's adapters, for `PeftModel.from_pretrained`."""
+        path = os.fspath(path)
+        if adapters_only:
+            export_adapters(self.sharded, path, self.model)
+            return
+        if _is_peft(self.model) and not path.endswith(".safetensors"):
+            raise ValueError("a LoRA model's directory export is its adapters: export(dir, adapters_only=True) "
+                             "writes what peft.PeftModel.from_pretrained loads on the base model.")
+        export(self.sharded, path, max_shard_size=max_shard_size, save_config=_hf_config_writer(self.model))
 
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()
@@ -299,9 +318,11 @@ class Engine:
         """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
         shard (the module's own copies are dropped); then the buffers, onto the device."""
         in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
+        names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
+        loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
         for unit in self.units:
-            if pretrained is None:
-                materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed)
+            materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
+                             lora_init=_lora_init(self.model))
             self._shard(unit, pretrained)
         for prefix, module in self.model.named_modules():
             for name, buf in module._buffers.items():
@@ -361,6 +382,36 @@ def _shapes(plans: list[UnitPlan], layouts: list[Layout]) -> list[UnitShape]:
     modules: dict[int, int] = {}
     return [UnitShape(lay.shard, lay.padded, p.frozen, p.root, modules.setdefault(id(p.module), len(modules)))
             for p, lay in zip(plans, layouts, strict=True)]
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+def _lora_init(model: nn.Module) -> object:
+    """A peft model's `init_lora_weights` (True, peft's default, for any other model)."""
+    configs = getattr(model, "peft_config", None)
+    config = configs.get(getattr(model, "active_adapter", "default")) if isinstance(configs, dict) else None
+    return getattr(config, "init_lora_weights", True)
+
+
+def hf_config(model: nn.Module) -> object | None:
+    """The Hugging Face config a model carries (`model.config` with `save_pretrained`), if any."""
+    config = getattr(model, "config", None)
+    return config if callable(getattr(config, "save_pretrained", None)) else None
+
+
+def _hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
+    config = hf_config(model)
+    if config is None:
+        return None
+
+    def write(directory: str) -> None:
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]  # type: ignore[attr-defined]
+        config.save_pretrained(directory)  # type: ignore[attr-defined]
+
+    return write
 
 
 def _compute_device(device: str | torch.device | None) -> torch.device:

@@ -56,27 +56,44 @@ def _unit_modules(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module]) ->
 
 
 def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module], *,
-                     init_fn: Callable[[nn.Module], None] | None, seed: int) -> None:
-    """Give the unit's meta parameters real CPU memory and initialize them (no-op when already real).
-    Buffers are left as they are."""
-    modules = [m for m in _unit_modules(plan, model, in_units) if meta_parameters(m)]
-    if not modules:
+                     init_fn: Callable[[nn.Module], None] | None, seed: int,
+                     loaded: Callable[[nn.Module, str], bool] = lambda _m, _n: False,
+                     lora_init: object = True) -> None:
+    """Give the unit's meta parameters real CPU memory and initialize them, except those `loaded`
+    says come from pretrained weights (they stay on the meta device until read). Parameters that
+    already hold values, and buffers, are left as they are.
+
+    peft's LoRA layers are initialized as peft does it (`reset_lora_parameters`, with `lora_init`,
+    the adapter config's `init_lora_weights`): A like a linear layer, B zero, so that the adapted
+    model starts as the base model."""
+    fresh = []
+    for m in _unit_modules(plan, model, in_units):
+        names = [n for n in meta_parameters(m) if not loaded(m, n)]
+        for name in names:
+            p = m._parameters[name]
+            assert p is not None
+            m._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+        if names:
+            fresh.append(m)
+    if not fresh:
         return
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed * 1_000_003 + plan.index)
-        for m in modules:
-            for name in meta_parameters(m):
-                p = m._parameters[name]
-                assert p is not None
-                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
-            with torch.no_grad():
-                if init_fn is not None:
-                    init_fn(m)
-                elif callable(reset := getattr(m, "reset_parameters", None)):
-                    reset()
-                elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
-                    reset()
-                else:
-                    raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
-                                     "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
-                                     "weights= to load it.")
+        for m in fresh:
+            if init_fn is not None:
+                init_fn(m)
+            elif callable(reset := getattr(m, "reset_parameters", None)):
+                reset()
+            elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
+                reset()
+            else:
+                raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
+                                 "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
+                                 "weights= to load it.")
+        for m in _unit_modules(plan, model, in_units):
+            reset_lora = getattr(m, "reset_lora_parameters", None)
+            lora_a = getattr(m, "lora_A", None)
+            if init_fn is None and callable(reset_lora) and isinstance(lora_a, nn.ModuleDict):
+                for adapter, layer in lora_a.items():
+                    if any(c in fresh for c in layer.modules()):
+                        reset_lora(adapter, lora_init)

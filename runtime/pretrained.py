@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +97,10 @@ class PretrainedWeights:
         self._open: dict[str, object] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
 
-    def check(self, slots: Iterable[ParamSlot], model: nn.Module) -> None:
-        """Every parameter without values has a tensor of its shape in the files, and the files hold
+    def check(self, slots: Iterable[ParamSlot], model: nn.Module,
+              new: Callable[[ParamSlot], bool] = lambda _slot: False) -> None:
+        """Every parameter without values has a tensor of its shape in the files (unless `new` says
+        it is the model's own addition, initialized instead: a LoRA adapter), and the files hold
         nothing the model does not; otherwise one ValueError naming the first tensor at fault."""
         known: set[str] = set()
         for slot in slots:
@@ -106,7 +108,7 @@ class PretrainedWeights:
             known.update(names)
             stored = self.find(slot)
             if stored is None:
-                if slot.param is not None and slot.param.is_meta:
+                if slot.param is not None and slot.param.is_meta and not new(slot):
                     raise ValueError(f"weights {self.path!r} have no tensor {names[0]!r}"
                                      + (f" (nor {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
                                      + "; it is a parameter of the model. Name the files of this model.")
@@ -123,6 +125,13 @@ class PretrainedWeights:
             raise ValueError(f"{first.file!r} holds {first.key!r}, which is not in the model"
                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                              + ": these weights are for another model.")
+
+    def holds(self, module_names: dict[nn.Module, str]) -> Callable[[nn.Module, str], bool]:
+        """Whether the files hold parameter `name` of a module (named as in `module_names`)."""
+        def holds(module: nn.Module, name: str) -> bool:
+            prefix = module_names[module]
+            return model_name(f"{prefix}.{name}" if prefix else name) in self.tensors
+        return holds
 
     def find(self, slot: ParamSlot) -> StoredTensor | None:
         """The stored tensor of a parameter, under whichever of its (tied) names it was saved."""

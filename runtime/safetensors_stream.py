@@ -78,3 +78,44 @@ def file_crc32(path: str, chunk: int = 8 << 20) -> int:
         while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc
+
+
+class ShardedSafetensorsWriter:
+    """A directory of safetensors shards in the Hugging Face layout: `model-0000K-of-0000N.safetensors`
+    of at most `max_shard_size` bytes each (a larger tensor gets a shard of its own), and
+    `model.safetensors.index.json` mapping each tensor to its shard. Entries are assigned to shards
+    in the order given; `write` them in any order, then `close`."""
+
+    def __init__(self, directory: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_size: int, metadata: dict[str, str] | None = None) -> None:
+        if max_shard_size <= 0:
+            raise ValueError(f"max_shard_size={max_shard_size}: must be a positive number of bytes.")
+        os.makedirs(directory, exist_ok=True)
+        groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+        size = 0
+        for entry in entries:
+            nbytes = torch.Size(entry[2]).numel() * entry[1].itemsize
+            if groups[-1] and size + nbytes > max_shard_size:
+                groups.append([])
+                size = 0
+            groups[-1].append(entry)
+            size += nbytes
+        n = len(groups)
+        names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors" for k in range(n)]
+        self.directory = directory
+        self._writers = [SafetensorsWriter(os.path.join(directory, name), group, metadata)
+                         for name, group in zip(names, groups, strict=True)]
+        self._shard_of = {e[0]: k for k, group in enumerate(groups) for e in group}
+        self._index = {"metadata": {"total_size": sum(torch.Size(e[2]).numel() * e[1].itemsize for e in entries)},
+                       "weight_map": {e[0]: names[k] for k, group in enumerate(groups) for e in group}}
+        self.sharded = n > 1
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._writers[self._shard_of[name]].write(name, tensor)
+
+    def close(self) -> None:
+        for w in self._writers:
+            w.close()
+        if self.sharded:  # one file needs no index (as `save_pretrained` writes it)
+            with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+                json.dump(self._index, f, indent=2)

@@ -2,24 +2,29 @@
 
 Both gather one unit at a time, so the peak is one unit's full parameters plus what is returned.
 Keys and order are those of the original `model.state_dict()`; a tied parameter appears under each
-of its names, as PyTorch gives it.
+of its names, as PyTorch gives it, except in a Hugging Face directory, which stores it once (under
+its first name) and lets the config tie it again on load.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from outcore.runtime.safetensors_stream import SafetensorsWriter
+from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
 
 
-def _unit_tensors(sm: ShardedModel):
+def _unit_tensors(sm: ShardedModel, units: list[FlatUnit] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict name, CPU tensor) for every parameter, one unit gathered at a time."""
-    for u in sm.units:
+    for u in sm.units if units is None else units:
         full = u.full_values()
         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True):
             value = full[off : off + slot.numel].view(slot.shape).to("cpu", copy=True)
@@ -28,39 +33,67 @@ def _unit_tensors(sm: ShardedModel):
         del full
 
 
-def _buffers(sm: ShardedModel) -> dict[str, torch.Tensor]:
-    # Parameters are plain attributes now, so the module's own state_dict holds just its buffers.
-    return {k: v.detach().cpu() for k, v in sm.model.state_dict().items()}
-
-
 def full_state_dict(sm: ShardedModel) -> dict[str, torch.Tensor]:
     sm.settle()
     values = dict(_unit_tensors(sm))
-    values.update(_buffers(sm))
+    values.update(sm.buffers())
     missing = [k for k in sm.state_dict_keys if k not in values]
     assert not missing, f"state dict keys not produced: {missing[:5]}"
     return {k: values[k] for k in sm.state_dict_keys}
 
 
-def export_safetensors(sm: ShardedModel, path: str) -> None:
-    """Stream every parameter and buffer into one safetensors file (rank 0 writes; all ranks gather)."""
+def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None) -> None:
+    """Stream every parameter and buffer into `path`: one safetensors file when it ends in
+    `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
+    config.json). Rank 0 writes; every rank gathers."""
     sm.settle()
-    shapes = {}
+    one_file = path.endswith(".safetensors")
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    aliases: set[str] = set()  # tied names after the first: a Hugging Face directory stores them once
     for u in sm.units:
         for slot in u.plan.slots:
             for name in slot.state_dict_names:
                 shapes[name] = (u.dtype, tuple(slot.shape))
-    buffers = _buffers(sm)
+            aliases.update(slot.state_dict_names[1:])
+    buffers = sm.buffers()
     for name, b in buffers.items():
         shapes[name] = (b.dtype, tuple(b.shape))
-    writer = None
+    keys = [k for k in sm.state_dict_keys if one_file or k not in aliases]
+    writer: SafetensorsWriter | ShardedSafetensorsWriter | None = None
     if sm.group.rank == 0:
-        writer = SafetensorsWriter(path, [(k, *shapes[k]) for k in sm.state_dict_keys],
-                                   metadata={"format": "pt", "producer": "outcore"})
+        entries = [(k, *shapes[k]) for k in keys]
+        metadata = {"format": "pt", "producer": "outcore"}
+        writer = (SafetensorsWriter(path, entries, metadata) if one_file
+                  else ShardedSafetensorsWriter(path, entries, max_shard_size, metadata))
+    wanted = set(keys)
     for name, value in _unit_tensors(sm):
-        if writer is not None:
+        if writer is not None and name in wanted:
             writer.write(name, value)
     if writer is not None:
         for name, b in buffers.items():
-            writer.write(name, b)
+            if name in wanted:
+                writer.write(name, b)
         writer.close()
+        if not one_file and save_config is not None:
+            save_config(path)
+
+
+def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> None:
+    """A peft model's adapters as `peft.PeftModel.from_pretrained` loads them: adapter_model.safetensors
+    (its trainable parameters, named as peft names them) and adapter_config.json. Only the trainable
+    units are gathered; rank 0 writes."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    sm.settle()
+    adapters = dict(_unit_tensors(sm, [u for u in sm.units if not u.frozen]))
+    if sm.group.rank != 0:
+        return
+    state = get_peft_model_state_dict(peft_model, state_dict=adapters)
+    if not state:
+        raise ValueError("the model has no adapter parameters to export; adapters_only=True is for peft models.")
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    configs: dict = getattr(peft_model, "peft_config")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
+    configs[getattr(peft_model, "active_adapter")].save_pretrained(directory)  # noqa: B009
