@@ -1,0 +1,50 @@
+"""Tiny Hugging Face causal LMs made from configs and saved locally (no download), for the tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+import outcore
+
+VOCAB = 96
+
+
+def config(kind: str) -> transformers.PretrainedConfig:
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama-tied":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if kind == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    if kind == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                          eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: parity
+    raise ValueError(kind)
+
+
+def save_model(kind: str, directory: str, **save_kw) -> str:
+    """A randomly initialized model of `kind`, saved with `save_pretrained`; returns the directory."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config(kind)).save_pretrained(directory, **save_kw)
+    return directory
+
+
+def deferred(directory: str) -> torch.nn.Module:
+    """The model of `directory` built under deferred_init(): parameters on the meta device."""
+    with outcore.deferred_init():
+        return AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+
+
+def token_batches(n: int, batch: int = 2, seq: int = 12, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def files(directory: str) -> list[str]:
+    return sorted(os.listdir(directory))

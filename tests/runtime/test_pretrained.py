@@ -1,0 +1,191 @@
+"""Pretrained Hugging Face models under the engine: weights streamed in from safetensors, the same
+logits and generations as transformers, fine-tuning equal to plain PyTorch, and an exported
+directory that transformers loads back."""
+
+import os
+
+import pytest
+import torch
+from hf_models import config, deferred, files, save_model, token_batches
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import outcore
+
+KINDS = ["llama-tied", "llama", "qwen2", "gpt2"]
+HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def nvme_config(tmp_path, **kw) -> outcore.Config:
+    kw.setdefault("grad_clip", None)
+    return outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme",
+                          nvme_dir=str(tmp_path / "nvme"), **kw)
+
+
+def plain_steps(model, data, *, clip=None) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP)
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_steps(engine, data) -> list[float]:
+    losses = []
+    for x in data:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_close_losses(ours, ref, rel=1e-5):
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert abs(a - b) <= rel * abs(b), f"step {i}: engine {a} vs plain {b}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_give_the_logits_and_the_generation_of_from_pretrained(tmp_path, kind):
+    directory = save_model(kind, str(tmp_path / kind))
+    ref = AutoModelForCausalLM.from_pretrained(directory).eval()
+    engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    engine.module.eval()
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(engine.module(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        prompt = x[:1, :5]
+        ours = engine.module.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        theirs = ref.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert ours.shape == (1, 15) and torch.equal(ours, theirs)
+    assert engine.stats()["gathered"]["bytes"] == 0  # every unit let go after inference
+    assert all(u.state.value == "sharded" for u in engine.units)
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_six_fine_tuning_steps_on_nvme_equal_plain_adamw_and_the_export_loads_back(tmp_path, kind):
+    directory = save_model(kind, str(tmp_path / kind))
+    data = token_batches(6)
+    ref = AutoModelForCausalLM.from_pretrained(directory)
+    expected = plain_steps(ref, data)
+    engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
+    assert_close_losses(engine_steps(engine, data), expected)
+    out = tmp_path / "exported"
+    engine.export(str(out), max_shard_size=20_000)  # a few shards of a tiny model
+    shards = [f for f in files(out) if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files(out) and "config.json" in files(out)
+    back = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ref.eval()
+    x = token_batches(1, seed=9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref(x).logits, rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def test_a_sharded_directory_with_an_index_loads_and_bf16_files_convert_once(tmp_path, caplog):
+    directory = save_model("llama", str(tmp_path / "m"), max_shard_size="20KB")
+    assert "model.safetensors.index.json" in files(directory)
+    ref = AutoModelForCausalLM.from_pretrained(directory).eval()
+    engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(engine.module(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+    engine.close()
+    bf16 = str(tmp_path / "bf16")
+    ref.to(torch.bfloat16).save_pretrained(bf16)
+    with caplog.at_level("INFO", logger="outcore.runtime.pretrained"):
+        engine = outcore.Engine(deferred(bf16), nvme_config(tmp_path), weights=bf16)
+    said = [r.message for r in caplog.records if "converting" in r.message]
+    assert len(said) == 1 and "bfloat16" in said[0]
+    with torch.no_grad():  # the fp32 engine holds the bf16 values exactly
+        torch.testing.assert_close(engine.module(x).logits, ref.float()(x).logits, rtol=1e-5, atol=1e-5)
+    engine.close()
+
+
+def test_a_full_fine_tune_with_a_frozen_embedding_and_clipping_equals_plain(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    data = token_batches(6)
+    ref = AutoModelForCausalLM.from_pretrained(directory)
+    ref.model.embed_tokens.weight.requires_grad_(False)
+    before = ref.model.embed_tokens.weight.detach().clone()
+    expected = plain_steps(ref, data, clip=1.0)
+    model = deferred(directory)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine = outcore.Engine(model, nvme_config(tmp_path, grad_clip=1.0), outcore.AdamW(**HP), weights=directory)
+    assert any(u.frozen for u in engine.units)
+    assert_close_losses(engine_steps(engine, data), expected)
+    sd = engine.full_state_dict()
+    assert torch.equal(sd["model.embed_tokens.weight"], before)  # bit for bit: never updated
+    engine.close()
+
+
+def test_lora_trains_only_the_adapters_as_peft_does_and_they_load_back(tmp_path):
+    peft = pytest.importorskip("peft")
+    directory = save_model("llama", str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(deferred(directory), lora)
+    engine = outcore.Engine(model, nvme_config(tmp_path, grad_clip=1.0), outcore.AdamW(**HP), weights=directory)
+    start = engine.full_state_dict()
+    assert all(float(v.abs().max()) == 0 for k, v in start.items() if "lora_B" in k)  # peft's init: B = 0
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    ref.load_state_dict({k: v for k, v in start.items() if "lora_" in k}, strict=False)  # the same adapters
+    data = token_batches(6)
+    expected = plain_steps(ref, data, clip=1.0)
+    assert_close_losses(engine_steps(engine, data), expected)
+    trained = engine.full_state_dict()
+    for k, v in trained.items():
+        if "lora_" not in k:
+            assert torch.equal(v, start[k]), f"{k} is frozen but changed"
+    assert engine.stats()["nvme"]["bytes"] > 0
+    out = tmp_path / "adapters"
+    engine.export(str(out), adapters_only=True)
+    assert files(out) == ["adapter_config.json", "adapter_model.safetensors"]
+    back = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), str(out)).eval()
+    ref.eval()
+    x = token_batches(1, seed=9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ref(x).logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="adapters_only"):
+        engine.export(str(tmp_path / "whole"))
+    engine.close()
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("shape", "has shape"),
+    ("other-model", "have no tensor 'model\\.layers\\.0\\."),
+    ("extra", "not in the model"),
+    ("missing-shard", "missing"),
+    ("not-safetensors", "not a readable safetensors"),
+])
+def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage, message):
+    directory = save_model("llama", str(tmp_path / "m"), max_shard_size="20KB")
+    weights = directory
+    if damage == "shape":  # the same architecture, a wider MLP
+        wide = config("llama")
+        wide.intermediate_size = 48
+        AutoModelForCausalLM.from_config(wide).save_pretrained(str(tmp_path / "wide"))
+        weights = str(tmp_path / "wide")
+    elif damage == "other-model":
+        weights = save_model("gpt2", str(tmp_path / "g"))
+    elif damage == "extra":  # one tensor more than the model has
+        state = load_file(os.path.join(save_model("llama", str(tmp_path / "one")), "model.safetensors"))
+        save_file({**state, "model.extra.weight": torch.zeros(3)}, str(tmp_path / "extra.safetensors"))
+        weights = str(tmp_path / "extra.safetensors")
+    elif damage == "missing-shard":
+        os.unlink(os.path.join(directory, sorted(f for f in files(directory) if f.endswith(".safetensors"))[0]))
+    else:
+        shard = os.path.join(directory, sorted(f for f in files(directory) if f.endswith(".safetensors"))[-1])
+        with open(shard, "r+b") as f:
+            f.write(b"\xff" * 16)
+    with pytest.raises(ValueError, match=message) as e:
+        outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=weights)
+    assert len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
