@@ -48,3 +48,29 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     assert list(exported) == list(sd)
     for k, v in sd.items():
         assert torch.equal(exported[k], v), k
+
+
+def run_ranks(world: int, tmp_path, name: str, cfg: dict, first: int, last: int, resume: str = "") -> dict:
+    out = str(tmp_path / name)
+    script = [os.path.join(HERE, "reshard_train.py"), out, json.dumps(cfg), str(first), str(last), resume]
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", *script]
+    else:
+        cmd = [sys.executable, *script]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.load(open(out))
+    assert got["world"] == world
+    return got
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_checkpoint_written_by_n_ranks_resumes_on_m_exactly(tmp_path, before, after):
+    cfg = {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_dir": str(tmp_path / "nvme"),
+           "grad_clip": 1.0, "sub_group_size": 1024}
+    whole = run_ranks(1, tmp_path, "whole", cfg, 0, 10)
+    first = run_ranks(before, tmp_path, "first", cfg, 0, 5)
+    second = run_ranks(after, tmp_path, "second", cfg, 5, 10, resume=str(tmp_path / "first.ckpt"))
+    assert_losses_match(first["losses"] + second["losses"], whole["losses"], rel=1e-4)
