@@ -126,7 +126,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
         meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
                 "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
                 "units": _layout(sm), "unit_steps": list(sm.updates.steps),
-                "state_dict_keys": sm.state_dict_keys, "files": dict(crcs)}
+                "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"), "files": dict(crcs)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
             f.flush()

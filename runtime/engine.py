@@ -42,7 +42,7 @@ from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
 from outcore.runtime.host_heap import pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
-from outcore.runtime.materialize import materialize_unit
+from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
@@ -177,8 +177,10 @@ class Engine:
 
     def save_checkpoint(self, directory: str, tag: str) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
+        config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict()}
+                    "config": self.config.to_dict(),
+                    "hf_config": config.to_dict() if config is not None else None}  # type: ignore[attr-defined]
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
@@ -317,8 +319,11 @@ class Engine:
                      pretrained: PretrainedWeights | None) -> None:
         """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
         shard (the module's own copies are dropped); then the buffers, onto the device."""
-        in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
         names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
+        in_files = set(pretrained.tensors) if pretrained is not None else set()
+        for module, prefix in names.items():  # first: buffers computed in __init__ may be meta
+            recompute_buffers(self.model, prefix, module, init_fn, keep=_stored_under(prefix, in_files))
+        in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
         loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
         for unit in self.units:
             materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
@@ -332,10 +337,7 @@ class Engine:
                 stored = pretrained.tensors.get(model_name(full)) if pretrained is not None else None
                 if pretrained is not None and stored is not None:
                     buf = pretrained.read(stored, buf.dtype).to(buf.dtype)
-                elif buf.is_meta:
-                    raise ValueError(f"buffer {full!r} is on the meta device: its values were never computed. "
-                                     "Build the model under outcore.deferred_init(), which keeps buffers real, "
-                                     "or give them in weights=.")
+                assert not buf.is_meta, full  # recompute_buffers gave it values, or raised
                 if buf.device != self.device:
                     buf = buf.to(self.device)
                 module._buffers[name] = buf
@@ -382,6 +384,11 @@ def _shapes(plans: list[UnitPlan], layouts: list[Layout]) -> list[UnitShape]:
     modules: dict[int, int] = {}
     return [UnitShape(lay.shard, lay.padded, p.frozen, p.root, modules.setdefault(id(p.module), len(modules)))
             for p, lay in zip(plans, layouts, strict=True)]
+
+
+def _stored_under(prefix: str, stored: set[str]) -> Callable[[str], bool]:
+    """Whether a buffer of the module named `prefix` is among the `stored` tensor names."""
+    return lambda name: model_name(f"{prefix}.{name}" if prefix else name) in stored
 
 
 def _is_peft(model: nn.Module) -> bool:

@@ -1,18 +1,21 @@
-"""Deferred initialization: parameters on the meta device, materialized one unit at a time.
+"""Deferred initialization: models built on the meta device, materialized one unit at a time.
 
     with outcore.deferred_init():
-        model = MyModel()          # parameters take no memory: they are on the meta device
+        model = MyModel()          # no real memory: every tensor is on the meta device
     engine = outcore.Engine(model, config)   # each unit is materialized, sharded, then dropped
 
-Only parameters go to the meta device, as each is registered (through torch's parameter
-registration hook, as Accelerate's `init_empty_weights(include_buffers=False)` does): buffers
-computed in `__init__` (rotary tables, masks) keep their real values. A parameter is created on the
-CPU first and moved at once, so the transient is one parameter, and `torch.empty` costs no memory
-until touched. While the context is open this applies to modules built by any thread.
-
-A module's parameters are then initialized by `init_fn(module)` when given, else by its own
+A module's parameters are initialized by `init_fn(module)` when given, else by its own
 `reset_parameters()` (or come from `weights=`; see runtime/pretrained.py). Each unit draws from its
 own seeded generator state, so initialization is reproducible and does not depend on the split.
+
+Buffers computed in `__init__` (rotary tables, masks) are on the meta device too, without values.
+The engine gives them values before anything else (`recompute_buffers`): from `weights=` when the
+files hold them, else by running the module's initialization again with real buffers: `init_fn`,
+a Hugging Face model's own `_init_weights` (which recomputes rotary tables), or
+`reset_parameters()`. A buffer that none of these fills is an error naming it, never garbage.
+(Building with parameters alone on the meta device, as Accelerate's
+`init_empty_weights(include_buffers=False)` does, made peak RSS of the memory test vary between
+0.64 and 1.1 GiB where this measures 0.63-0.66; see docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -22,26 +25,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from outcore.runtime.units import UnitPlan
 
 
 @contextlib.contextmanager
 def deferred_init() -> Iterator[None]:
-    """Build modules whose parameters are shapes only (the meta device); buffers stay real."""
-    # torch annotates the hook as returning None, though it documents (and applies) a returned parameter.
-    handle = register_module_parameter_registration_hook(_on_the_meta_device)  # type: ignore[arg-type]
-    try:
+    """Build modules on the meta device: shapes and structure only, no memory."""
+    with torch.device("meta"):
         yield
-    finally:
-        handle.remove()
-
-
-def _on_the_meta_device(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    if param is None or param.is_meta:
-        return None
-    return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 
 def meta_parameters(module: nn.Module) -> list[str]:
@@ -97,3 +89,43 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 for adapter, layer in lora_a.items():
                     if any(c in fresh for c in layer.modules()):
                         reset_lora(adapter, lora_init)
+
+
+def recompute_buffers(model: nn.Module, name: str, module: nn.Module,
+                      init_fn: Callable[[nn.Module], None] | None, keep: Callable[[str], bool]) -> None:
+    """Give `module`'s meta buffers (except those `keep` names, which come from weights) real
+    values by running its initialization again; ValueError naming a buffer left without values."""
+    meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta and not keep(n)]
+    if not meta:
+        return
+    for n in meta:
+        buf = module._buffers[n]
+        assert buf is not None
+        module._buffers[n] = torch.full_like(buf, _sentinel(buf.dtype), device="cpu")
+    hf_init: Callable[[nn.Module], None] | None = next(
+        (getattr(m, "_init_weights") for m in model.modules()  # noqa: B009 - a Hugging Face model's method
+         if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")), None)
+    with torch.no_grad():
+        if init_fn is not None:
+            init_fn(module)
+        elif hf_init is not None:
+            hf_init(module)
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
+    for n in meta:
+        buf = module._buffers[n]
+        assert buf is not None
+        untouched = bool(torch.isnan(buf).any()) if buf.dtype.is_floating_point else bool(
+            torch.all(buf == _sentinel(buf.dtype)))
+        if untouched:
+            full = f"{name}.{n}" if name else n
+            raise ValueError(f"buffer {full!r} was built on the meta device and its module's initialization "
+                             "does not compute it: give it in weights=, compute it in reset_parameters() or "
+                             "init_fn, or build the model outside deferred_init().")
+
+
+def _sentinel(dtype: torch.dtype) -> float | int | bool:
+    """What a buffer holds before its initialization runs, to see whether it did."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return True if dtype == torch.bool else torch.iinfo(dtype).min

@@ -118,12 +118,14 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
     # last backward) and, in backward, the unit computing and the one whose output gradient it made
     # (each with its frozen sibling).
+    # A model with no parameters of its own has no root unit: its last unit stands in for it.
+    roots = [u.root for u in units] if any(u.root for u in units) else [i == len(units) - 1 for i in range(len(units))]
     by_module: dict[int, int] = {}
-    for u, f in zip(units, full, strict=True):
-        if not u.root:
+    for u, f, root in zip(units, full, roots, strict=True):
+        if not root:
             by_module[u.module] = by_module.get(u.module, 0) + f + PAGE
     blocks = sorted(by_module.values(), reverse=True)[:2]
-    held = sum(f + PAGE for u, f in zip(units, full, strict=True) if u.root) + sum(blocks)
+    held = sum(f + PAGE for f, root in zip(full, roots, strict=True) if root) + sum(blocks)
     borrowing = policy.borrowing
 
     dev = dict(states=0, runtime=0, gathered=0)

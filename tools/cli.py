@@ -50,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a GPT on a text file or the built-in stdlib corpus")
     t.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
+    t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
+                   "tokenizer) in place of a preset; needs --data")
+    t.add_argument("--lora", type=int, metavar="R", help="with --model: train LoRA adapters of rank R only")
     t.add_argument("--config", help="a runtime.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
     t.add_argument("--steps", type=int, help="optimizer steps (default 300 for tiny, else 1000)")
-    t.add_argument("--data", help="a UTF-8 text file (default: the Python standard library's sources)")
+    t.add_argument("--data", help="a UTF-8 text file, or with --model a .jsonl of {\"text\": ...} rows "
+                   "(default: the Python standard library's sources)")
     t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
     t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
     t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
@@ -79,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("estimate", help="per-tier bytes per rank for a model, stage and offload setting")
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--params", type=parse_count, help="parameter count, e.g. 13B (a GPT of that size)")
-    which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
+    which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory "
+                       "(sized from its config.json) or module:factory")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
     e.add_argument("--stage", type=int, choices=(1, 2, 3))
@@ -93,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH")
     e.set_defaults(run=_estimate)
 
-    x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file")
+    x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file or an HF directory")
     x.add_argument("checkpoint", help="a checkpoint directory (its latest tag is used) or a tag folder")
-    x.add_argument("out", help="the .safetensors file to write")
+    x.add_argument("out", help="the .safetensors file to write, or a directory for the Hugging Face layout")
+    x.add_argument("--max-shard-size", type=parse_size, default=5_000_000_000,
+                   help="with a directory: bytes per shard at most (default 5G)")
     x.add_argument("--tag", help="which tag of the checkpoint directory (default: latest)")
     x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype (default: the run's)")
     x.add_argument("--no-verify", action="store_true", help="skip the crc32 check of the rank files")
@@ -174,7 +181,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume and not os.path.exists(os.path.join(args.out, "checkpoints", "latest")):
         raise UsageError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')!r}; "
                          "run without --resume first, or point --out at the earlier run.")
-    opts = TrainOptions(preset=args.preset, config=args.config, steps=args.steps, data=args.data, out=args.out,
+    opts = TrainOptions(preset=args.preset, model=args.model, lora=args.lora, config=args.config, steps=args.steps,
+                        data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
                         lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,
@@ -229,7 +237,8 @@ def _export(args: argparse.Namespace) -> int:
     from outcore.tools.report import write_json
 
     try:
-        res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify)
+        res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify,
+                                max_shard_size=args.max_shard_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(f"wrote {res['out']}: {res['tensors']} tensors, {human_bytes(res['bytes'])}, {res['dtype']}, "

@@ -8,13 +8,15 @@ before the next one is read: memory is bounded by the largest single parameter.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 from outcore.offload import StorageCorruptError
 from outcore.runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
 from outcore.runtime.policy import DTYPES, torch_dtype
-from outcore.runtime.safetensors_stream import SafetensorsWriter
+from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 
 def checkpoint_folder(path: str, tag: str | None = None) -> str:
@@ -36,11 +38,14 @@ def read_export_meta(folder: str, *, verify: bool = True) -> dict:
 
 
 def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str | None = None,
-                      verify: bool = True) -> dict:
-    """Write every parameter and buffer of the checkpoint at `path` into one safetensors file.
+                      verify: bool = True, max_shard_size: int = 5_000_000_000) -> dict:
+    """Write every parameter and buffer of the checkpoint at `path` into one safetensors file (`out`
+    ending in `.safetensors`), or into a Hugging Face directory: shards of at most `max_shard_size`
+    bytes, their index, and config.json when the run's model carried a Hugging Face config (tied
+    weights stored once, under their first name, as `save_pretrained` does).
 
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
-    The file appears whole or not at all (written beside it, then renamed)."""
+    The output appears whole or not at all (written beside it, then renamed)."""
     folder = checkpoint_folder(path, tag)
     meta = read_export_meta(folder, verify=verify)
     dtype = dtype or meta["config"].get("dtype", "fp32")
@@ -53,8 +58,12 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                 where[name] = (index, param)
     shards = CheckpointShards(folder, meta)
     buffers = shards.buffers(BUFFER_PREFIX)
+    one_file = out.endswith(".safetensors")
+    aliases = {n for unit in meta["units"] for param in unit["params"] for n in param["names"][1:]}
     entries = []
     for key in meta["state_dict_keys"]:
+        if not one_file and key in aliases:
+            continue
         if key in where:
             entries.append((key, torch_dtype(dtype), tuple(where[key][1]["shape"])))
         elif key in buffers:
@@ -62,8 +71,10 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
         else:
             raise StorageCorruptError(key, folder, "a state-dict key with neither a parameter layout nor a buffer")
     tmp = f"{out}.tmp"
-    writer = SafetensorsWriter(tmp, entries, metadata={"format": "pt", "producer": "outcore export",
-                                                       "step": str(meta["step"])})
+    shutil.rmtree(tmp, ignore_errors=True)
+    metadata = {"format": "pt", "producer": "outcore export", "step": str(meta["step"])}
+    writer = (SafetensorsWriter(tmp, entries, metadata=metadata) if one_file
+              else ShardedSafetensorsWriter(tmp, entries, max_shard_size, metadata))
     largest = 0
     try:
         last_param, last_value = None, None
@@ -78,11 +89,19 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                 value = buffers[key]
             writer.write(key, value)
         writer.close()
+        if not one_file and meta.get("hf_config"):
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(meta["hf_config"], f, indent=2)
+        if os.path.isdir(out) and not one_file:
+            shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    size = os.path.getsize(out) if one_file else sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
-            "bytes": os.path.getsize(out), "largest_parameter_bytes": largest}
+            "bytes": size, "largest_parameter_bytes": largest}
 

@@ -16,6 +16,7 @@ from torch import nn
 from outcore.runtime import deferred_init
 from outcore.runtime.units import plan_units
 from outcore.tools.gpt import GPT, PRESETS, GPTConfig, init_fn
+from outcore.tools.hf_source import HFModel, is_hf_directory
 
 
 @dataclass
@@ -27,12 +28,16 @@ class ModelSource:
 
 
 def resolve_model(spec: str, *, seq: int | None = None) -> ModelSource:
-    """'gpt-125m' (a preset) or 'package.module:factory'; ValueError naming the choices otherwise."""
+    """'gpt-125m' (a preset), a Hugging Face model directory, or 'package.module:factory'; ValueError
+    naming the choices otherwise."""
+    if is_hf_directory(spec):
+        hf = HFModel(spec)
+        return ModelSource(spec, hf.build, None, None)
     if spec in PRESETS:
         cfg = PRESETS[spec] if seq is None else dataclasses.replace(PRESETS[spec], seq=seq)
         return ModelSource(spec, lambda: GPT(cfg), cfg, init_fn(cfg))
     if ":" not in spec:
-        raise ValueError(f"model {spec!r}: name a preset ({', '.join(PRESETS)}) or module:factory.")
+        raise ValueError(f"model {spec!r}: name a preset ({', '.join(PRESETS)}), a model directory or module:factory.")
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

@@ -1,4 +1,5 @@
-"""`outcore train`: a GPT preset trained by the engine on a text file or the stdlib corpus.
+"""`outcore train`: a GPT preset trained by the engine on a text file or the stdlib corpus, or a
+Hugging Face model fine-tuned (fully, or with LoRA) on text its own tokenizer packs (train_job.py).
 
 Defaults are chosen for the machine at hand: the least offloading whose bytes (by the memory plan)
 fit in half of the free memory, bf16 where the hardware computes it natively, and an NVMe
@@ -20,19 +21,12 @@ import torch
 
 from outcore import runtime
 from outcore.runtime.policy import DTYPES
-from outcore.tools.corpus import VOCAB, ByteCorpus, batch_generator, file_corpus, stdlib_corpus
 from outcore.tools.estimate import estimate
-from outcore.tools.model_source import ModelSource, resolve_model, unit_numels
-from outcore.tools.presets import PRESETS
 from outcore.tools.report import peak_rss
+from outcore.tools.train_job import Data, Job, hf_job, preset_job
 from outcore.tools.units import human_bytes
 
 log = logging.getLogger("outcore.train")
-
-# Peak learning rates by size, as GPT-3's table (Brown et al. 2020) gives them; tiny trains fast.
-LEARNING_RATES = {"tiny": 2e-3, "gpt-125m": 6e-4, "gpt-350m": 3e-4, "gpt-1b": 2e-4, "gpt-2b": 1.6e-4,
-                  "gpt-3b": 1.6e-4, "gpt-7b": 1.2e-4}
-DEFAULT_STEPS = {"tiny": 300}
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
 OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 
@@ -40,6 +34,8 @@ OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nv
 @dataclass
 class TrainOptions:
     preset: str = "tiny"
+    model: str | None = None  # a Hugging Face model directory, in place of the preset
+    lora: int | None = None  # with `model`: train LoRA adapters of this rank
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
@@ -96,7 +92,7 @@ def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | 
     return "nvme", "nvme", f"the model's states exceed half of the {human_bytes(avail)} available"
 
 
-def build_config(opts: TrainOptions, source: ModelSource,
+def build_config(opts: TrainOptions, units: list[int],
                  device: torch.device) -> tuple[runtime.Config, list[str], str | None]:
     """The run's Config: the file's, overridden by flags, the rest chosen for this machine. Also
     returns what was chosen (to print) and the NVMe folder created for the run, if any."""
@@ -115,7 +111,7 @@ def build_config(opts: TrainOptions, source: ModelSource,
         if opts.offload_params is None and opts.offload_optimizer is None:
             defaults = runtime.Config()
             depth = values.get("prefetch_depth", defaults.prefetch_depth)
-            params, opt, why = choose_offload(unit_numels(source), values["dtype"], defaults.stage,
+            params, opt, why = choose_offload(units, values["dtype"], defaults.stage,
                                               values["grad_clip"], depth)
             values.update(offload_params=params, offload_optimizer=opt)
             notes.append(f"offload params={params} optimizer={opt}: {why}")
@@ -142,14 +138,10 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def evaluate(engine: runtime.Engine, held_out: ByteCorpus, opts: TrainOptions, seq: int,
-             device: torch.device) -> float:
+def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, device: torch.device) -> float:
     """Mean loss on fixed held-out batches (the same ones at every evaluation)."""
-    losses = []
     with torch.no_grad():
-        for i in range(opts.eval_batches):
-            x, y = held_out.batch(opts.batch, seq, batch_generator(opts.seed, i, "val"))
-            losses.append(float(engine(x.to(device), y.to(device))))
+        losses = [float(job.loss(engine, held_out.at(i), device)) for i in range(batches)]
     return sum(losses) / len(losses)
 
 
@@ -158,16 +150,13 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     from outcore.tools.report import progress
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    source = resolve_model(opts.preset, seq=opts.seq)
-    gpt = source.gpt
-    if gpt is None:
-        raise ValueError(f"--preset {opts.preset!r}: train takes a preset ({', '.join(PRESETS)}).")
-    if gpt.vocab < VOCAB:
-        raise ValueError(f"preset {opts.preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
-    train_set, held_out = file_corpus(opts.data) if opts.data else stdlib_corpus()
-    config, notes, owned_nvme = build_config(opts, source, device)
-    steps = opts.steps or DEFAULT_STEPS.get(opts.preset, 1000)
-    peak_lr = opts.lr or LEARNING_RATES.get(opts.preset, 3e-4)
+    if opts.lora is not None and opts.model is None:
+        raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
+    job = (hf_job(opts.model, lora=opts.lora, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed)
+           if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
+    config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
+    steps = opts.steps or job.steps
+    peak_lr = opts.lr or job.lr
     eval_every = opts.eval_every or max(1, steps // 5)
     save_every = opts.save_every or 0
 
@@ -177,24 +166,26 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     ckpt_dir = os.path.join(opts.out, "checkpoints")
     engine = None
     try:
-        with runtime.deferred_init():
-            model = source.build()
+        model = job.build()
         # Read by outcore's GPT (and by any model of one's own that honours it).
         setattr(model, "checkpoint_activations",  # noqa: B010
-                opts.checkpoint_activations if opts.checkpoint_activations is not None else gpt.layers >= 24)
-        hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                opts.checkpoint_activations if opts.checkpoint_activations is not None else job.checkpoint_activations)
+        hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1 if job.trainable == job.params
+                           else 0.0)
         t_init = time.perf_counter()
-        engine = runtime.Engine(model, config, hp, init_fn=source.init_fn, seed=opts.seed)
+        engine = runtime.Engine(model, config, hp, seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:
             meta = engine.load_checkpoint(ckpt_dir)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        state_bytes = gpt.params * (DTYPES[config.dtype][1] + 4 + 12)  # weights, fp32 gradients, master + moments
-        report(f"outcore train: {opts.preset}, {gpt.params / 1e6:,.1f}M parameters "
+        # weights, and for the trainable ones fp32 gradients, master and moments
+        state_bytes = job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12)
+        trainable = "" if job.trainable == job.params else f", {job.trainable / 1e6:,.2f}M of them trained"
+        report(f"outcore train: {job.name}, {job.params / 1e6:,.1f}M parameters{trainable} "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
-               f"batch {opts.batch} x {gpt.seq} bytes of {train_set.name}")
+               f"batch {opts.batch} x {job.seq} {job.tokens}")
         history, val_history = [], []
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
@@ -205,9 +196,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 t0 = time.perf_counter()
                 loss_sum = 0.0
                 for micro in range(accum):
-                    x, y = train_set.batch(opts.batch, gpt.seq, batch_generator(opts.seed, step * accum + micro,
-                                                                                 "train"))
-                    loss = engine(x.to(device), y.to(device))
+                    loss = job.loss(engine, job.train.at(step * accum + micro), device)
                     engine.backward(loss)
                     loss_sum += float(loss.detach())
                 result = engine.step()
@@ -226,9 +215,9 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 totals["opt"] += now["optimizer_seconds"] - before["optimizer_seconds"]
                 totals["read"] += now["bytes_read"] - before["bytes_read"]
                 totals["written"] += now["bytes_written"] - before["bytes_written"]
-                totals["tokens"] += opts.batch * gpt.seq * accum
+                totals["tokens"] += opts.batch * job.seq * accum
                 before = now
-                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {opts.batch * gpt.seq * accum / dt:,.0f} tok/s "
+                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {opts.batch * job.seq * accum / dt:,.0f} tok/s "
                         f"{dt:.2f} s (I/O wait {totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
                         f"nvme {human_bytes(now['nvme']['bytes'])}")
                 if result["skipped"]:
@@ -237,13 +226,14 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                     bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
                     bar.update(1)
                 if evaluating:
-                    val = evaluate(engine, held_out, opts, gpt.seq, device)
+                    val = evaluate(engine, job, job.held_out, opts.eval_batches, device)
                     val_history.append((step + 1, val))
                     (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
                 if saving:
                     engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
         if opts.save_final and steps > start:
             engine.save_checkpoint(ckpt_dir, f"step{steps}")
+        exported = job.export(engine, opts.out) if job.export is not None and opts.save_final else None
         stats = engine.stats()
     finally:
         if engine is not None:
@@ -253,7 +243,8 @@ def train(opts: TrainOptions, *, report=print) -> dict:
 
     ran = max(1, steps - start)
     summary = {
-        "preset": opts.preset, "params": gpt.params, "state_bytes": state_bytes, "dtype": config.dtype,
+        "preset": job.name, "params": job.params, "trainable_params": job.trainable, "state_bytes": state_bytes,
+        "dtype": config.dtype, "exported": exported,
         "offload_params": config.offload_params, "offload_optimizer": config.offload_optimizer,
         "steps": steps, "start_step": start, "losses": history, "val_losses": val_history,
         "seconds_per_step": totals["seconds"] / ran, "io_wait_seconds_per_step": totals["wait"] / ran,
@@ -265,7 +256,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     }
     losses = f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history else " (it had already reached --steps)"
     val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
-    report(f"outcore train: done. {opts.preset} ({gpt.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
+    report(f"outcore train: done. {job.name} ({job.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
            f"model states) trained {steps - start} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")

@@ -48,3 +48,19 @@ def token_batches(n: int, batch: int = 2, seq: int = 12, seed: int = 3) -> list[
 
 def files(directory: str) -> list[str]:
     return sorted(os.listdir(directory))
+
+
+STORY = ("the quick brown fox jumps over the lazy dog while the small cat sleeps near the warm fire and "
+         "the old man reads a long book about the sea ")
+
+
+def save_tokenizer(directory: str, text: str = STORY) -> None:
+    """A word-level tokenizer trained here on `text` (no download), saved beside the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
+    assert tok.get_vocab_size() <= VOCAB
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(directory)

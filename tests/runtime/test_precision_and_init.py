@@ -112,3 +112,44 @@ def test_deferred_init_refuses_what_it_cannot_initialize(tmp_path):
                             init_fn=lambda m: m.w.fill_(0.5) if isinstance(m, Bare) else None)
     assert torch.equal(engine.full_state_dict()["w"], torch.full((4,), 0.5))
     engine.close()
+
+
+class _WithTable(torch.nn.Module):
+    """A block whose buffer is computed in __init__ (as rotary tables are)."""
+
+    def __init__(self, d: int = 8, recompute: bool = True) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.register_buffer("table", torch.arange(d, dtype=torch.float32) / d, persistent=False)
+        self.recompute = recompute
+
+    def reset_parameters(self) -> None:
+        if self.recompute:
+            self.table.copy_(torch.arange(self.table.numel(), dtype=torch.float32) / self.table.numel())
+
+    def forward(self, x):
+        return self.fc(x) * self.table
+
+
+class _TableStack(torch.nn.Module):
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_WithTable(recompute=recompute) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+def test_buffers_built_on_the_meta_device_are_recomputed_or_refused_by_name(tmp_path):
+    with outcore.deferred_init():
+        model = _TableStack(recompute=True)
+    assert model.blocks[0].table.is_meta
+    engine = outcore.Engine(model, outcore.Config(nvme_dir=str(tmp_path)))
+    assert torch.equal(model.blocks[1].table, torch.arange(8, dtype=torch.float32) / 8)
+    engine.close()
+    with outcore.deferred_init():
+        model = _TableStack(recompute=False)
+    with pytest.raises(ValueError, match="buffer 'blocks.0.table'.*does not compute it"):
+        outcore.Engine(model, outcore.Config(nvme_dir=str(tmp_path / "b")))

@@ -1,0 +1,114 @@
+"""`outcore train --model DIR`: fine-tuning a Hugging Face model from the command line, fully or with
+LoRA, on JSONL or text, with the model's own tokenizer; `estimate --model DIR`; `export CKPT DIR`;
+and the mistakes a user makes, each one line and exit 2."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
+from hf_models import STORY, save_model, save_tokenizer, token_batches  # noqa: E402
+
+from outcore.tools.cli import main  # noqa: E402
+
+peft = pytest.importorskip("peft")
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    directory = save_model("llama", str(tmp_path / "llama"))
+    save_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": STORY * 3}) + "\n" for _ in range(40)))
+    return str(path)
+
+
+def train_args(tmp_path, model_dir, data, *extra):
+    return ["train", "--model", model_dir, "--data", data, "--seq", "16", "--batch", "4", "--out",
+            str(tmp_path / "run"), "--offload-params", "nvme", "--offload-optimizer", "nvme", "--dtype", "fp32",
+            "--eval-batches", "2", "--json", str(tmp_path / "summary.json"), *extra]
+
+
+def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft(tmp_path, model_dir, jsonl, capsys):
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "20", "--lr", "3e-2")) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert len(s["losses"]) == 20 and s["trainable_params"] < s["params"] / 2
+    assert sum(s["losses"][-5:]) / 5 < s["losses"][0] - 0.2
+    vals = [v for _, v in s["val_losses"]]
+    assert vals[-1] < vals[0]
+    adapters = s["exported"]
+    assert sorted(os.listdir(adapters)) == ["adapter_config.json", "adapter_model.safetensors"]
+    tuned = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapters).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        assert not torch.allclose(tuned(x).logits, base(x).logits)  # the adapters changed the model
+    assert "LoRA r=8" in capsys.readouterr().out
+    # Resume continues from the last checkpoint, and the checkpoint exports offline.
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "3e-2", "--resume")) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 20
+
+
+def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model_dir):
+    text = tmp_path / "story.txt"
+    text.write_text(STORY * 60)
+    assert main(train_args(tmp_path, model_dir, str(text), "--steps", "4", "--lr", "1e-3")) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    exported = s["exported"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(exported))
+    ours = AutoModelForCausalLM.from_pretrained(exported).eval()
+    offline = tmp_path / "offline"
+    assert main(["export", str(tmp_path / "run" / "checkpoints"), str(offline), "--dtype", "fp32"]) == 0
+    again = AutoModelForCausalLM.from_pretrained(str(offline)).eval()
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, ours(x).logits)
+
+
+def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, capsys):
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--model", model_dir, "--dtype", "fp32", "--device", "cpu", "--stage", "3",
+                 "--offload-params", "nvme", "--offload-optimizer", "nvme", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    assert rows[0]["nvme"]["states"] >= 12 * params  # fp32 weights + [m|v]
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("no-config", "no config.json"),
+    ("no-tokenizer", "no tokenizer found"),
+    ("no-data", "--data"),
+    ("bad-jsonl", "line 2"),
+    ("lora-without-model", "--model DIR"),
+])
+def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, damage, message):
+    args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
+    if damage == "no-config":
+        os.unlink(os.path.join(model_dir, "config.json"))
+    elif damage == "no-tokenizer":
+        for f in os.listdir(model_dir):
+            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                os.unlink(os.path.join(model_dir, f))
+    elif damage == "no-data":
+        args.remove("--data")
+        args.remove(jsonl)
+    elif damage == "bad-jsonl":
+        with open(jsonl, "a") as f:
+            f.write("not json\n")
+        with open(jsonl, "w") as f:
+            f.write(json.dumps({"text": STORY}) + "\nnot json\n")
+    else:
+        args = ["train", "--lora", "4", "--steps", "1", "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,116 @@
+"""What `outcore train` trains: a GPT preset on byte tokens, or a Hugging Face model from its own
+directory (fully, or its LoRA adapters) on text its own tokenizer packs. The loop in train.py sees
+only a `Job`: how to build the model, what to give the engine, the data, the loss and the export."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from outcore.runtime.materialize import deferred_init
+from outcore.runtime.units import plan_units
+from outcore.tools.corpus import VOCAB, batch_generator, file_corpus, stdlib_corpus
+from outcore.tools.hf_source import HFModel
+from outcore.tools.model_source import resolve_model, unit_numels
+from outcore.tools.presets import PRESETS
+
+# Peak learning rates by size, as GPT-3's table (Brown et al. 2020) gives them; tiny trains fast.
+LEARNING_RATES = {"tiny": 2e-3, "gpt-125m": 6e-4, "gpt-350m": 3e-4, "gpt-1b": 2e-4, "gpt-2b": 1.6e-4,
+                  "gpt-3b": 1.6e-4, "gpt-7b": 1.2e-4}
+DEFAULT_STEPS = {"tiny": 300}
+FINE_TUNE_LR, LORA_LR, FINE_TUNE_SEQ = 2e-5, 1e-3, 512
+
+
+class Data:
+    """Seeded batches of one split (`ByteCorpus` or `TokenCorpus` underneath)."""
+
+    def __init__(self, corpus: Any, batch: int, seq: int, seed: int, split: str) -> None:
+        self.corpus, self.batch, self.seq, self.seed, self.split = corpus, batch, seq, seed, split
+
+    def at(self, index: int) -> Any:
+        return self.corpus.batch(self.batch, self.seq, batch_generator(self.seed, index, self.split))
+
+
+@dataclass
+class Job:
+    name: str  # what the summary calls the model: a preset, or the model directory
+    params: int  # parameters, frozen ones included
+    trainable: int
+    seq: int
+    steps: int  # the default number of steps
+    lr: float  # the default peak learning rate
+    build: Callable[[], nn.Module]  # the model, parameters on the meta device
+    engine_kw: dict  # init_fn= or weights=
+    unit_numels: list[int]  # for choosing the offload setting before anything is built
+    train: Data
+    held_out: Data
+    loss: Callable[[Any, Any, torch.device], torch.Tensor]  # (engine, batch, device) -> loss
+    export: Callable[[Any, str], str] | None  # (engine, run dir) -> what it wrote
+    tokens: str  # what a token is, for the report
+    checkpoint_activations: bool  # the default
+
+
+def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, seed: int) -> Job:
+    source = resolve_model(preset, seq=seq)
+    gpt = source.gpt
+    if gpt is None:
+        raise ValueError(f"--preset {preset!r}: train takes a preset ({', '.join(PRESETS)}) or --model DIR.")
+    if gpt.vocab < VOCAB:
+        raise ValueError(f"preset {preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
+    train_set, held_out = file_corpus(data) if data else stdlib_corpus()
+
+    def loss(engine, xy, device):
+        x, y = xy
+        return engine(x.to(device), y.to(device))
+
+    def build() -> nn.Module:
+        with deferred_init():
+            return source.build()
+
+    return Job(preset, gpt.params, gpt.params, gpt.seq, DEFAULT_STEPS.get(preset, 1000),
+               LEARNING_RATES.get(preset, 3e-4), build, {"init_fn": source.init_fn}, unit_numels(source),
+               Data(train_set, batch, gpt.seq, seed, "train"), Data(held_out, batch, gpt.seq, seed, "val"), loss,
+               None, f"bytes of {train_set.name}", gpt.layers >= 24)
+
+
+def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, seq: int | None, seed: int) -> Job:
+    from outcore.tools.token_corpus import token_corpus
+
+    source = HFModel(directory, lora)
+    if data is None:
+        raise ValueError("--model DIR fine-tunes on your text: give --data FILE.txt or FILE.jsonl.")
+    config = source.config()
+    seq = seq or min(FINE_TUNE_SEQ, getattr(config, "max_position_embeddings", FINE_TUNE_SEQ))
+    tokenizer = source.tokenizer()
+    train_set, held_out = token_corpus(data, tokenizer, seq)
+    with_lora = source.build()
+    plans = plan_units(with_lora)
+    params = sum(s.numel for p in plans for s in p.slots)
+    trainable = sum(s.numel for p in plans for s in p.slots if not s.frozen)
+
+    def loss(engine, ids, device):
+        ids = ids.to(device)
+        return engine(input_ids=ids, labels=ids).loss
+
+    def export(engine, out: str) -> str:
+        path = os.path.join(out, "adapters" if lora else "model")
+        engine.export(path, adapters_only=bool(lora))
+        if not lora:
+            tokenizer.save_pretrained(path)  # the directory loads as a model of its own
+        return path
+
+    built = [with_lora]
+
+    def build() -> nn.Module:  # the model planned above, built once
+        return built.pop() if built else source.build()
+
+    name = os.path.basename(os.path.normpath(directory)) + (f" + LoRA r={lora}" if lora else "")
+    return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
+               [sum(s.numel for s in p.slots) for p in plans],
+               Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), loss, export,
+               f"tokens of {train_set.name}", False)
