@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from outcore.runtime.units import ParamSlot
@@ -41,6 +40,8 @@ class StoredTensor:
     key: str  # its name in the file
     shape: tuple[int, ...]
     dtype: torch.dtype | None  # None: a dtype torch cannot hold
+    begin: int  # byte offset of its data in the file
+    nbytes: int
 
 
 def weight_files(path: str) -> list[str]:
@@ -68,6 +69,30 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
+def _read_header(file: str) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, from its header (an 8-byte little-endian length, then
+    JSON giving each tensor's dtype, shape and byte range after the header)."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 << 20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+            end = os.fstat(f.fileno()).st_size
+        out = {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            begin, stop = entry["data_offsets"]
+            if not 0 <= begin <= stop <= end - 8 - size:
+                raise ValueError(f"tensor {key!r} lies past the end of the file")
+            out[key] = StoredTensor(file, key, tuple(entry["shape"]), ST_TO_TORCH.get(entry["dtype"]),
+                                    8 + size + begin, stop - begin)
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
+
+
 def model_name(name: str) -> str:
     """A state-dict name as the base model's own files spell it (peft's wrapping taken off)."""
     if name.startswith("base_model.model."):
@@ -82,19 +107,12 @@ class PretrainedWeights:
         self.path = path
         self.tensors: dict[str, StoredTensor] = {}
         for file in weight_files(path):
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for key in f.keys():
-                        piece = f.get_slice(key)
-                        name = model_name(key)
-                        if name in self.tensors:
-                            raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} "
-                                             f"and {file!r}.")
-                        self.tensors[name] = StoredTensor(file, key, tuple(piece.get_shape()),
-                                                          ST_TO_TORCH.get(piece.get_dtype()))
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
-        self._open: dict[str, object] = {}
+            for key, stored in _read_header(file).items():
+                name = model_name(key)
+                if name in self.tensors:
+                    raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} and {file!r}.")
+                self.tensors[name] = stored
+        self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
 
     def check(self, slots: Iterable[ParamSlot], model: nn.Module,
@@ -142,17 +160,28 @@ class PretrainedWeights:
         return None
 
     def read(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor, as `dtype` (a conversion is said once per pair of dtypes)."""
-        f = self._open.get(stored.file)
-        if f is None:
-            f = self._open[stored.file] = safe_open(stored.file, framework="pt")
-        value = f.get_tensor(stored.key)  # type: ignore[attr-defined]
+        """The tensor, read into fresh memory (not mapped: a mapped file's pages would count in RSS
+        until it is closed), in its stored dtype; a conversion to `dtype` is said once per pair."""
+        fd = self._open.get(stored.file)
+        if fd is None:
+            fd = self._open[stored.file] = os.open(stored.file, os.O_RDONLY)
+        assert stored.dtype is not None  # checked
+        value = torch.empty(stored.shape, dtype=stored.dtype)
+        raw = value.view(-1).view(torch.uint8).numpy()
+        done = 0
+        while done < stored.nbytes:
+            n = os.preadv(fd, [raw[done:]], stored.begin + done)  # type: ignore[list-item]  # numpy exports a buffer
+            if n == 0:
+                raise ValueError(f"{stored.file!r} ends inside tensor {stored.key!r}: the file is truncated.")
+            done += n
         if value.dtype != dtype and (value.dtype, dtype) not in self._converted:
             self._converted.add((value.dtype, dtype))
             log.info("weights: converting %s tensors of %s to %s", value.dtype, self.path, dtype)
         return value
 
     def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
         self._open.clear()
 
     def _check_fits(self, stored: StoredTensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:

@@ -1,0 +1,136 @@
+"""Fine-tuning a pretrained model larger than the budgets: load it with `weights=` and train a few
+LoRA and full steps with parameters and optimizer states on NVMe.
+
+    python -m outcore.tools.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
+                                             [--budget 256M] [--kinds load,lora,full,plain-lora]
+
+A Llama-shaped model (about 1.5B parameters at the defaults) is built from a config with random
+weights and saved once as bf16 safetensors in D/model (its size is checked against the free space
+first). Each kind then runs in its own process, so that its peak RSS is its own:
+`load` builds the engine (weights streamed into the tiers) and times it; `lora` and `full` run
+`--steps` steps of LoRA (rank 16 on every linear layer) and of full fine-tuning; `plain-lora` is
+transformers + peft with the whole model in RAM, the reference where it fits. One JSON line per kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from outcore.tools.units import parse_size
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make_model(directory: str, layers: int, hidden: int) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = os.path.join(directory, "model")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256,
+                         max_position_embeddings=2048, tie_word_embeddings=False)
+    params = 2 * 32000 * hidden + layers * (4 * hidden * hidden // 1 * 3 // 4 + 3 * hidden * config.intermediate_size)
+    need = 2 * params * 1.1
+    free = shutil.disk_usage(directory).free
+    if free < need + (20 << 30):
+        raise SystemExit(f"{directory}: {free / 2**30:.1f} GiB free; the model needs {need / 2**30:.1f} GiB "
+                         "and its swap files about 8x that")
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="1GB")
+    return path
+
+
+def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int) -> dict:
+    import peft
+    import transformers
+
+    import outcore
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32000, (1, 128))
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    if kind == "plain-lora":
+        t0 = time.perf_counter()
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+                                    lora)
+        load = time.perf_counter() - t0
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": _peak_rss()}
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with outcore.deferred_init():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if kind == "lora":
+        model = peft.get_peft_model(model, lora)
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,
+                            dtype="bf16", grad_clip=1.0, device_budget=budget, host_budget=budget,
+                            sub_group_size=1 << 20,  # the optimizer's HOST window: a few 16 MiB chunks
+                            io=outcore.IOConfig(block_size=8 << 20, threads=4))
+    t0 = time.perf_counter()
+    engine = outcore.Engine(model, config, outcore.AdamW(lr=1e-4), weights=model_dir)
+    load = time.perf_counter() - t0
+    load_rss = _peak_rss()
+    times = []
+    for _ in range(steps if kind != "load" else 0):
+        t0 = time.perf_counter()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.synchronize()
+        times.append(time.perf_counter() - t0)
+    s = engine.stats()
+    engine.close()
+    return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": _peak_rss(),
+            "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_pretrained")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
+    p.add_argument("--kinds", default="load,lora,full,plain-lora")
+    p.add_argument("--_run", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    model_dir = os.path.join(args.dir, "model")
+    if args._run:
+        scratch = os.path.join(args.dir, "swap")
+        print(json.dumps(run(args._run, model_dir, scratch, args.steps, args.budget)))
+        return
+    t0 = time.perf_counter()
+    make_model(args.dir, args.layers, args.hidden)
+    print(json.dumps({"kind": "make", "seconds": time.perf_counter() - t0,
+                      "bytes": sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir))}),
+          flush=True)
+    for kind in args.kinds.split(","):
+        cmd = [sys.executable, "-m", "outcore.tools.bench_pretrained", "--dir", args.dir, "--steps", str(args.steps),
+               "--budget", str(args.budget), "--_run", kind]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps(
+            {"kind": kind, "error": res.stderr.strip().splitlines()[-1:]})
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
