@@ -39,6 +39,7 @@ from outcore.runtime.collectives import Group, init_group
 from outcore.runtime.config import Config
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
+from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft, lora_init, stored_under
 from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
 from outcore.runtime.host_heap import pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
@@ -84,7 +85,7 @@ class Engine:
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
         pretrained = PretrainedWeights(os.fspath(weights)) if weights is not None else None
-        adapters = _is_peft(model)  # trainable parameters missing from the files are its adapters
+        adapters = is_peft(model)  # trainable parameters missing from the files are its adapters
         if pretrained is not None:  # every name and shape checked before anything is written
             pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
@@ -206,10 +207,10 @@ class Engine:
         if adapters_only:
             export_adapters(self.sharded, path, self.model)
             return
-        if _is_peft(self.model) and not path.endswith(".safetensors"):
+        if is_peft(self.model) and not path.endswith(".safetensors"):
             raise ValueError("a LoRA model's directory export is its adapters: export(dir, adapters_only=True) "
                              "writes what peft.PeftModel.from_pretrained loads on the base model.")
-        export(self.sharded, path, max_shard_size=max_shard_size, save_config=_hf_config_writer(self.model))
+        export(self.sharded, path, max_shard_size=max_shard_size, save_config=hf_config_writer(self.model))
 
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()
@@ -322,12 +323,12 @@ class Engine:
         names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
         in_files = set(pretrained.tensors) if pretrained is not None else set()
         for module, prefix in names.items():  # first: buffers computed in __init__ may be meta
-            recompute_buffers(self.model, prefix, module, init_fn, keep=_stored_under(prefix, in_files))
+            recompute_buffers(self.model, prefix, module, init_fn, keep=stored_under(prefix, in_files))
         in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
         loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
         for unit in self.units:
             materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                             lora_init=_lora_init(self.model))
+                             lora_init=lora_init(self.model))
             self._shard(unit, pretrained)
         for prefix, module in self.model.named_modules():
             for name, buf in module._buffers.items():
@@ -384,41 +385,6 @@ def _shapes(plans: list[UnitPlan], layouts: list[Layout]) -> list[UnitShape]:
     modules: dict[int, int] = {}
     return [UnitShape(lay.shard, lay.padded, p.frozen, p.root, modules.setdefault(id(p.module), len(modules)))
             for p, lay in zip(plans, layouts, strict=True)]
-
-
-def _stored_under(prefix: str, stored: set[str]) -> Callable[[str], bool]:
-    """Whether a buffer of the module named `prefix` is among the `stored` tensor names."""
-    return lambda name: model_name(f"{prefix}.{name}" if prefix else name) in stored
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "base_model")
-
-
-def _lora_init(model: nn.Module) -> object:
-    """A peft model's `init_lora_weights` (True, peft's default, for any other model)."""
-    configs = getattr(model, "peft_config", None)
-    config = configs.get(getattr(model, "active_adapter", "default")) if isinstance(configs, dict) else None
-    return getattr(config, "init_lora_weights", True)
-
-
-def hf_config(model: nn.Module) -> object | None:
-    """The Hugging Face config a model carries (`model.config` with `save_pretrained`), if any."""
-    config = getattr(model, "config", None)
-    return config if callable(getattr(config, "save_pretrained", None)) else None
-
-
-def _hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
-    config = hf_config(model)
-    if config is None:
-        return None
-
-    def write(directory: str) -> None:
-        if not getattr(config, "architectures", None):
-            config.architectures = [type(model).__name__]  # type: ignore[attr-defined]
-        config.save_pretrained(directory)  # type: ignore[attr-defined]
-
-    return write
 
 
 def _compute_device(device: str | torch.device | None) -> torch.device:

@@ -1,0 +1,46 @@
+"""What the engine knows of Hugging Face and peft models: a model's HF config (for config.json in an
+export and in checkpoints), whether it is a peft model (its adapters are the trainable parameters a
+weights directory does not hold), and how peft initializes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from outcore.runtime.pretrained import model_name
+
+
+def stored_under(prefix: str, stored: set[str]) -> Callable[[str], bool]:
+    """Whether a buffer of the module named `prefix` is among the `stored` tensor names."""
+    return lambda name: model_name(f"{prefix}.{name}" if prefix else name) in stored
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+def lora_init(model: nn.Module) -> object:
+    """A peft model's `init_lora_weights` (True, peft's default, for any other model)."""
+    configs = getattr(model, "peft_config", None)
+    config = configs.get(getattr(model, "active_adapter", "default")) if isinstance(configs, dict) else None
+    return getattr(config, "init_lora_weights", True)
+
+
+def hf_config(model: nn.Module) -> object | None:
+    """The Hugging Face config a model carries (`model.config` with `save_pretrained`), if any."""
+    config = getattr(model, "config", None)
+    return config if callable(getattr(config, "save_pretrained", None)) else None
+
+
+def hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
+    config = hf_config(model)
+    if config is None:
+        return None
+
+    def write(directory: str) -> None:
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]  # type: ignore[attr-defined]
+        config.save_pretrained(directory)  # type: ignore[attr-defined]
+
+    return write
