@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--params", type=parse_count, help="parameter count, e.g. 13B (a GPT of that size)")
     which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory "
                        "(sized from its config.json) or module:factory")
+    e.add_argument("--lora", type=int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
+                   "linear layer, the rest frozen (no gradient or optimizer state)")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
     e.add_argument("--stage", type=int, choices=(1, 2, 3))
@@ -200,14 +202,23 @@ def _train(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from outcore.tools.estimate import estimate_table, legal_settings
-    from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_numels
+    from outcore.tools.hf_source import HFModel
+    from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_layout, unit_numels
     from outcore.tools.report import table, write_json
 
+    layout: dict = {}
     try:
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
             what = (f"a GPT of {sum(units) / 1e9:.2f}B parameters ({shape.layers} layers, d_model {shape.d_model}, "
                     f"vocab {shape.vocab})")
+        elif args.lora is not None:
+            if not os.path.isdir(args.model):
+                raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
+            units, layout = unit_layout(HFModel(args.model, args.lora).build())
+            trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
+            what = (f"{args.model} + LoRA r={args.lora} ({sum(units) / 1e9:.3f}B parameters, "
+                    f"{trained / 1e6:.2f}M trained)")
         else:
             units = unit_numels(resolve_model(args.model))
             what = f"{args.model} ({sum(units) / 1e9:.3f}B parameters)"
@@ -217,7 +228,8 @@ def _estimate(args: argparse.Namespace) -> int:
     if not settings:
         raise UsageError("no legal setting matches: parameter offload needs --stage 3.")
     rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, prefetch_depth=args.prefetch_depth,
-                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None, device=args.device)
+                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None, device=args.device,
+                          **layout)
     print(f"{what}, {args.dtype}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
     table(["stage", "params", "optimizer", "device", "host", "nvme", "min device", "min host"],
           [[r["stage"], r["offload_params"], r["offload_optimizer"], human_bytes(r["device"]["total"]),

@@ -57,6 +57,17 @@ def unit_numels(source: ModelSource, unit_classes: tuple[str, ...] = ()) -> list
     return [sum(s.numel for s in plan.slots) for plan in plan_units(model, unit_classes)]
 
 
+def unit_layout(model: nn.Module) -> tuple[list[int], dict]:
+    """Parameters per fetch unit of a (meta-device) model, and what `estimate` needs beside them:
+    which units are frozen, which are the root's, and which share a module (a unit and its frozen
+    sibling)."""
+    plans = plan_units(model)
+    modules: dict[int, int] = {}
+    return [sum(s.numel for s in p.slots) for p in plans], {
+        "frozen": [p.frozen for p in plans], "roots": [p.root for p in plans],
+        "modules": [modules.setdefault(id(p.module), len(modules)) for p in plans]}
+
+
 def gpt_of_size(params: int, vocab: int = 32000, seq: int = 2048) -> GPTConfig:
     """A GPT shape with about `params` parameters (depth grows with size, as in the presets)."""
     layers = 12 if params < 2e8 else 24 if params < 1.5e9 else 32 if params < 1e10 else 48 if params < 4e10 else 80

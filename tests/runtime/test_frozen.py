@@ -76,3 +76,23 @@ def test_the_memory_plan_gives_frozen_units_no_optimizer_state_or_gradient(tmp_p
     assert plan.optimizer_states == sum(-(-8 * c.numel // 4096) * 4096 for u in engine.units for c in u.chunks)
     assert plan.optimizer_states <= 8 * trainable + 4096 * len(engine.units)
     engine.close()
+
+
+def test_estimate_plans_the_bytes_the_engine_plans_for_a_model_with_frozen_units(tmp_path):
+    from outcore.tools.estimate import estimate
+    from outcore.tools.model_source import unit_layout
+
+    with outcore.deferred_init():
+        model = freeze(TinyGPT())
+    numels, layout = unit_layout(model)
+    assert layout["frozen"].count(True) == 3
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         sub_group_size=1024)
+    engine = outcore.Engine(model, cfg)
+    ours = estimate(numels, dtype="fp32", stage=3, offload_params="nvme", offload_optimizer="nvme",
+                    sub_group_size=1024, device="cpu", **layout)
+    assert engine.memory_plan() == ours
+    unfrozen = estimate(numels, dtype="fp32", stage=3, offload_params="nvme", offload_optimizer="nvme",
+                        sub_group_size=1024, device="cpu")
+    assert ours.nvme.states < unfrozen.nvme.states  # no optimizer state for what is frozen
+    engine.close()
