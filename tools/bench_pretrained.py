@@ -9,7 +9,8 @@ weights and saved once as bf16 safetensors in D/model (its size is checked again
 first). Each kind then runs in its own process, so that its peak RSS is its own:
 `load` builds the engine (weights streamed into the tiers) and times it; `lora` and `full` run
 `--steps` steps of LoRA (rank 16 on every linear layer) and of full fine-tuning; `plain-lora` is
-transformers + peft with the whole model in RAM, the reference where it fits. One JSON line per kind.
+transformers + peft with the whole model in RAM, the reference where it fits. `--checkpoint` turns on
+the model's own activation checkpointing (non-reentrant) in every kind. One JSON line per kind.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def make_model(directory: str, layers: int, hidden: int) -> str:
     return path
 
 
-def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int) -> dict:
+def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool) -> dict:
     import peft
     import transformers
 
@@ -64,8 +65,10 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int) -> dic
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
     if kind == "plain-lora":
         t0 = time.perf_counter()
-        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
-                                    lora)
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        if checkpoint:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = peft.get_peft_model(base, lora)
         load = time.perf_counter() - t0
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         times = []
@@ -79,6 +82,8 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int) -> dic
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if kind == "lora":
         model = peft.get_peft_model(model, lora)
     config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,
@@ -110,13 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
     p.add_argument("--kinds", default="load,lora,full,plain-lora")
+    p.add_argument("--checkpoint", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--_run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     model_dir = os.path.join(args.dir, "model")
     if args._run:
         scratch = os.path.join(args.dir, "swap")
-        print(json.dumps(run(args._run, model_dir, scratch, args.steps, args.budget)))
+        print(json.dumps({**run(args._run, model_dir, scratch, args.steps, args.budget, args.checkpoint),
+                          "checkpoint": args.checkpoint}))
         return
     t0 = time.perf_counter()
     make_model(args.dir, args.layers, args.hidden)
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     for kind in args.kinds.split(","):
         cmd = [sys.executable, "-m", "outcore.tools.bench_pretrained", "--dir", args.dir, "--steps", str(args.steps),
-               "--budget", str(args.budget), "--_run", kind]
+               "--budget", str(args.budget), "--_run", kind] + (["--checkpoint"] if args.checkpoint else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps(
             {"kind": kind, "error": res.stderr.strip().splitlines()[-1:]})

@@ -167,9 +167,14 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     engine = None
     try:
         model = job.build()
-        # Read by outcore's GPT (and by any model of one's own that honours it).
-        setattr(model, "checkpoint_activations",  # noqa: B010
-                opts.checkpoint_activations if opts.checkpoint_activations is not None else job.checkpoint_activations)
+        checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
+                         else job.checkpoint_activations)
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if callable(enable):  # a Hugging Face model: its own, non-reentrant (the engine's hooks see both passes)
+            if checkpointing:
+                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:  # read by outcore's GPT (and by any model of one's own that honours it)
+            setattr(model, "checkpoint_activations", checkpointing)  # noqa: B010
         hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1 if job.trainable == job.params
                            else 0.0)
         t_init = time.perf_counter()

@@ -113,4 +113,4 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), loss, export,
-               f"tokens of {train_set.name}", False)
+               f"tokens of {train_set.name}", True)  # activations are most of a fine-tune's memory

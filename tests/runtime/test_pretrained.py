@@ -189,3 +189,19 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
         outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=weights)
     assert len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
+
+
+def test_lora_with_the_models_own_activation_checkpointing_equals_plain_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    directory = save_model("llama", str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    model = deferred(directory)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = peft.get_peft_model(model, lora)
+    engine = outcore.Engine(model, nvme_config(tmp_path, grad_clip=1.0), outcore.AdamW(**HP), weights=directory)
+    start = engine.full_state_dict()
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    ref.load_state_dict({k: v for k, v in start.items() if "lora_" in k}, strict=False)
+    data = token_batches(4)
+    assert_close_losses(engine_steps(engine, data), plain_steps(ref, data, clip=1.0))
+    engine.close()
