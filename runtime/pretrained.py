@@ -24,14 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from outcore.runtime.safetensors_stream import ST_DTYPES
 from outcore.runtime.units import ParamSlot
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
-ST_TO_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool}
+ST_TO_TORCH = {name: dtype for dtype, name in ST_DTYPES.items()}  # safetensors dtype names to torch
 
 
 @dataclass(frozen=True, slots=True)
