@@ -61,9 +61,17 @@ def _open_direct(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_DIRECT, 0o600)
 
 
-def open_io_file(path: str, *, direct: bool, create: bool = True, truncate: bool = False) -> IOFile:
-    """Open `path` read-write, with O_DIRECT when asked and allowed; else buffered, said once."""
+def open_io_file(path: str, *, direct: bool, create: bool = True, truncate: bool = False,
+                 private: bool = False) -> IOFile:
+    """Open `path` read-write, with O_DIRECT when asked and allowed; else buffered, said once.
+    `private`: never through a symbolic link, and only a regular file of ours (scratch_dir.py)."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_TRUNC if truncate else 0)
+    if private:
+        from outcore.offload.scratch_dir import open_private
+
+        check = open_private(path, flags & ~os.O_TRUNC)  # refused before a byte is truncated
+        os.close(check)
+        flags |= os.O_NOFOLLOW
     if direct:
         try:
             return IOFile(path, _open_direct(path, flags), True)

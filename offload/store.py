@@ -241,6 +241,7 @@ class TieredStore(Moves, Writes, Budgets):
                          "peak": self._host.peak, "resident": resident["host"]},
                 "nvme": {"bytes": self._swap.used, "file_bytes": self._swap.capacity, "direct": self._swap.direct},
                 "keys": len(self._records),
+                "writes_pending": len(self._writes),
             }
             counts = dict(self._counts)
         out.update(self._engine.counters.snapshot())

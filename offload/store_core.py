@@ -78,7 +78,9 @@ class StoreCore:
         self._counts: Counter[str] = Counter()
         self._freeing = {Tier.HOST: 0, Tier.DEVICE: 0}  # bytes of write-backs in flight, per tier
         self._demand_waiting = {Tier.HOST: 0, Tier.DEVICE: 0}  # requests someone waits for, waiting for room
-        self._writes: set[Handle] = set()  # put and write-back handles flush() has not seen yet
+        # Put and write-back handles still running, or failed and not yet reported by flush():
+        # finished ones leave at once, so a long run without flush() holds none of them.
+        self._writes: set[Handle] = set()
         self._prefetch = PrefetchQueue(prefetch_bytes if prefetch_bytes is not None
                                        else max(host_budget, device_budget) // 2)
         self._last_writeback_error: BaseException | None = None
@@ -99,6 +101,17 @@ class StoreCore:
         """DEVICE memory on a GPU (only the CUDA paths ask for it)."""
         assert isinstance(self._dev, CudaMemory), "a CUDA path on a CPU-only store"
         return self._dev
+
+    def _track_write(self, handle: Handle) -> None:
+        """Keep `handle` for flush() until it has landed (self._cond held)."""
+        self._writes.add(handle)
+
+        def landed(h: Handle) -> None:
+            if h.exception() is None:
+                with self._cond:
+                    self._writes.discard(h)
+
+        handle.add_done_callback(landed)
 
     def _ram(self, tier: Tier) -> HostBufferPool:
         """A memory tier's pool on a CPU-only store, where DEVICE is RAM too (zero-copy paths)."""

@@ -23,6 +23,7 @@ from outcore.offload.checksum import CHECKSUM_NAME, block_checksum
 from outcore.offload.errors import StorageCorruptError, StorageError, StorageFullError
 from outcore.offload.extents import Extent, ExtentAllocator
 from outcore.offload.io_engine import IOHandle, ShortIOError, open_io_file
+from outcore.offload.scratch_dir import DirectoryLock, open_private, prepare_directory
 
 GROW_STEP = 256 << 20  # the file doubles while small, then grows by this much: fallocate stays rare
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -43,18 +44,6 @@ class IndexEntry:
                 "shape": list(self.shape), "checksum": None if self.checksum is None else f"{self.checksum:08x}"}
 
 
-def prepare_directory(directory: str) -> str:
-    """Create `directory` with mode 0700 if missing; refuse a path that is not a writable folder."""
-    directory = os.path.abspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise StorageError(f"nvme_dir {directory!r} exists and is not a directory; name a directory.")
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise StorageError(f"cannot create nvme_dir {directory!r}: {e.strerror}. Name a writable directory.") from e
-    return directory
-
-
 def combine_crcs(crcs: list[int]) -> int:
     return block_checksum(np.asarray(crcs, dtype="<u4").tobytes())
 
@@ -69,11 +58,16 @@ class SwapFile:
         self.rank = rank
         self._engine = engine
         self._checksum = engine.config.checksum
+        self._lock_file = DirectoryLock(self.directory, rank)  # before the swap file is touched
         try:
-            self.file = open_io_file(self.path, direct=engine.config.direct, truncate=True)
+            self.file = open_io_file(self.path, direct=engine.config.direct, truncate=True, private=True)
         except OSError as e:
+            self._lock_file.release(remove=True)
             raise StorageError(f"cannot open swap file {self.path!r}: {e.strerror}. "
                                "Check that nvme_dir is writable.") from e
+        except BaseException:
+            self._lock_file.release(remove=True)
+            raise
         self.capacity = 0
         self._alloc = ExtentAllocator()
         self._entries: dict[str, IndexEntry] = {}
@@ -163,7 +157,7 @@ class SwapFile:
                      "checksum": f"{CHECKSUM_NAME} of each block's {CHECKSUM_NAME}" if self._checksum else None,
                      "keys": {k: e.as_json() for k, e in self._entries.items()}}
         tmp = self.index_path + ".tmp"
-        with open(tmp, "w") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             json.dump(index, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
@@ -175,6 +169,7 @@ class SwapFile:
             for p in (self.path, self.index_path):
                 if os.path.exists(p):
                     os.unlink(p)
+        self._lock_file.release(remove=remove)
 
     def _ensure_capacity(self, end: int, step: int | None = None) -> None:
         """Grow the file to at least `end` bytes with real, allocated blocks (self._lock held)."""

@@ -45,7 +45,7 @@ class Writes(StoreCore):
             done.set_done(error)
 
         with self._cond:
-            self._writes.add(done)
+            self._track_write(done)
         io.add_done_callback(landed)
         return done
 
@@ -79,7 +79,7 @@ class Writes(StoreCore):
         self._freeing[tier] += rec.held.capacity
         self._writer.submit(WriteBackJob(rec, move, tier, rec.held, staging))
         done = handle_of(move.future)
-        self._writes.add(done)
+        self._track_write(done)
         return done
 
     def _run_write_back(self, job: WriteBackJob) -> None:
