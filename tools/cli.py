@@ -9,7 +9,16 @@ import sys
 
 from outcore.runtime.policy import OFFLOADS
 from outcore.tools.presets import PRESETS
-from outcore.tools.units import human_bytes, parse_count, parse_list, parse_size
+from outcore.tools.units import (
+    human_bytes,
+    non_negative_float,
+    non_negative_int,
+    parse_count,
+    parse_list,
+    parse_size,
+    positive_float,
+    positive_int,
+)
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 PRESET_NAMES = [name for name in PRESETS if not name.startswith("bench")]
@@ -43,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
     b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True)
     b.add_argument("--backend", type=_words, default=_words("threads,aiofiles"))
-    b.add_argument("--repeats", type=int, default=1, help="interleaved runs per setting; medians reported")
+    b.add_argument("--repeats", type=positive_int, default=1, help="interleaved runs per setting; medians reported")
     b.add_argument("--no-fio", action="store_true", help="skip the fio reference even if fio is on PATH")
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.set_defaults(run=_bench_disk)
@@ -52,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
-    t.add_argument("--lora", type=int, metavar="R", help="with --model: train LoRA adapters of rank R only")
+    t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
     t.add_argument("--config", help="a runtime.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
-    t.add_argument("--steps", type=int, help="optimizer steps (default 300 for tiny, else 1000)")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps (default 300 for tiny, else 1000)")
     t.add_argument("--data", help="a UTF-8 text file, or with --model a .jsonl of {\"text\": ...} rows "
                    "(default: the Python standard library's sources)")
     t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
@@ -62,16 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
     t.add_argument("--offload-optimizer", choices=OFFLOADS)
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
-    t.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
-    t.add_argument("--seq", type=int, help="context length (default: the preset's)")
-    t.add_argument("--lr", type=float, help="peak learning rate (default by preset)")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="global norm clip; 0 turns it off (default 1.0)")
+    t.add_argument("--batch", type=positive_int, default=8, help="sequences per micro-batch (default 8)")
+    t.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
+    t.add_argument("--lr", type=positive_float, help="peak learning rate (default by preset)")
+    t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
+                   help="global norm clip; 0 turns it off (default 1.0)")
     t.add_argument("--host-budget", type=parse_size, help="bytes of host memory for the store (default: derived)")
     t.add_argument("--device-budget", type=parse_size)
-    t.add_argument("--prefetch-depth", type=int)
-    t.add_argument("--eval-every", type=int, help="steps between validation losses (default: 5 per run)")
-    t.add_argument("--eval-batches", type=int, default=4)
-    t.add_argument("--save-every", type=int, help="also checkpoint every N steps (the last step always is)")
+    t.add_argument("--prefetch-depth", type=non_negative_int)
+    t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
+    t.add_argument("--eval-batches", type=positive_int, default=4)
+    t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
     t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
@@ -85,18 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--params", type=parse_count, help="parameter count, e.g. 13B (a GPT of that size)")
     which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory "
                        "(sized from its config.json) or module:factory")
-    e.add_argument("--lora", type=int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
+    e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
                    "linear layer, the rest frozen (no gradient or optimizer state)")
-    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--world-size", type=positive_int, default=1)
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
     e.add_argument("--stage", type=int, choices=(1, 2, 3))
     e.add_argument("--offload-params", choices=OFFLOADS)
     e.add_argument("--offload-optimizer", choices=OFFLOADS)
-    e.add_argument("--prefetch-depth", type=int, default=2)
+    e.add_argument("--prefetch-depth", type=non_negative_int, default=2)
     e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where compute runs; cpu: DEVICE is RAM too, and the whole prefetch window is on it")
     e.add_argument("--sub-group-size", type=parse_count, default=1 << 22, help="elements per optimizer chunk")
-    e.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (gradients then stream)")
+    e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
     e.add_argument("--json", metavar="PATH")
     e.set_defaults(run=_estimate)
 
@@ -114,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
     u.add_argument("--config", required=True, help="the starting runtime.Config file (its budgets are the limits)")
     u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
-    u.add_argument("--steps", type=int, default=3, help="timed steps per candidate, after one warm-up step")
-    u.add_argument("--batch", type=int, default=1)
-    u.add_argument("--seq", type=int, help="context length (default: the preset's)")
+    u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up step")
+    u.add_argument("--batch", type=positive_int, default=1)
+    u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
     u.add_argument("--out", default="tuned.json", help="where the fastest config is written (default tuned.json)")
     u.add_argument("--prefetch-depth", type=_ints, help="values to try (default 1,2,4)")
     u.add_argument("--block-size", type=_sizes, help="values to try (default 1M,8M)")
@@ -124,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
     u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
     u.add_argument("--max-rss", type=parse_size, help="reject candidates whose peak RSS is above this")
-    u.add_argument("--timeout", type=float, default=1800, help="seconds per candidate (default 1800)")
+    u.add_argument("--timeout", type=positive_float, default=1800, help="seconds per candidate (default 1800)")
     u.add_argument("--json", metavar="PATH")
     u.set_defaults(run=_tune)
     return p

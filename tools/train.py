@@ -214,6 +214,9 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 dt = time.perf_counter() - t0
                 now = engine.stats()
                 loss_value = loss_sum / accum
+                if not math.isfinite(loss_value) and config.dtype != "fp16":  # fp16 scaling skips such steps
+                    raise FloatingPointError(f"the loss is {loss_value} at step {step + 1}: training diverged; "
+                                             "lower --lr, keep --grad-clip, or resume from an earlier checkpoint.")
                 history.append(loss_value)
                 totals["seconds"] += dt
                 totals["wait"] += now["unit_wait_seconds"] - before["unit_wait_seconds"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+
 _BINARY = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
            "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
@@ -50,3 +53,33 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    return _ranged(text, int, lambda v: v >= 1, "a whole number of at least 1")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return _ranged(text, int, lambda v: v >= 0, "a whole number of at least 0")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    return _ranged(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    return _ranged(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number of at least 0")
+
+
+def _ranged(text: str, kind, ok, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
