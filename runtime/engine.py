@@ -22,6 +22,7 @@ step      the global grad norm (clipping) and fp16 overflow are reduced across r
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import shutil
 import tempfile
@@ -33,7 +34,7 @@ import psutil
 import torch
 from torch import nn
 
-from outcore.offload import Tier, TieredStore
+from outcore.offload import StorageFullError, Tier, TieredStore
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group
 from outcore.runtime.config import Config
@@ -53,6 +54,8 @@ from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import UnitPlan, plan_units
 from outcore.runtime.update_stream import UpdateStream
+
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -100,7 +103,11 @@ class Engine:
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
-        self._materialize(init_fn, seed, pretrained)
+        try:
+            self._materialize(init_fn, seed, pretrained)
+        except BaseException:
+            self._discard_store()  # a failed start leaves no swap file filling the disk
+            raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
         self._hooks: list[Any] = []
         for unit in self.units:
@@ -233,6 +240,17 @@ class Engine:
         if self._owned_dir:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
 
+    def _discard_store(self) -> None:
+        """Close the store of an engine that failed to start, deleting its scratch files; errors of
+        the close itself (the disk is full, say) give way to the one that stopped the start."""
+        self.updates.close()
+        try:
+            self.store.close()
+        except Exception:  # noqa: BLE001 - the first error is the one the caller sees
+            log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
+        if self._owned_dir:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
@@ -309,6 +327,11 @@ class Engine:
             nvme_dir = owned = tempfile.mkdtemp(prefix="outcore-")
         plan = plan_memory(shapes, self.policy)
         device_budget, host_budget = _budgets(c, plan)
+        if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
+            os.makedirs(nvme_dir, mode=0o700, exist_ok=True)
+            free = shutil.disk_usage(nvme_dir).free
+            if free < plan.nvme.total:
+                raise StorageFullError(nvme_dir, plan.nvme.total, free)
         # With room in HOST for every optimizer state, writing them to NVMe and reading them back
         # each step would buy nothing: they stay in HOST once updated.
         place = replace(self.policy.placement, write_back=not plan.keeps_optimizer_states(host_budget))
