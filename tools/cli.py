@@ -186,9 +186,28 @@ def _bench_disk(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _writable(path: str, flag: str, *, folder: bool) -> None:
+    """Before any work: `path` can be written (a folder made, or a file created, where it says)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise UsageError(f"{flag} {path!r} is a {'file' if folder else 'directory'}; name a "
+                         f"{'directory' if folder else 'file'}.")
+    probe = path if folder else os.path.dirname(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r} cannot be written ({probe!r} is not a writable directory).")
+
+
 def _train(args: argparse.Namespace) -> int:
     from outcore.tools.report import write_json
     from outcore.tools.train import TrainOptions, train
+
+    _writable(args.out, "--out", folder=True)
+    if args.json:
+        _writable(args.json, "--json", folder=False)
+    if args.nvme_dir:
+        _writable(args.nvme_dir, "--nvme-dir", folder=True)
 
     if args.resume and not os.path.exists(os.path.join(args.out, "checkpoints", "latest")):
         raise UsageError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')!r}; "
