@@ -34,6 +34,7 @@ from outcore.offload.background import lower_priority
 from outcore.offload.checksum import block_checksum
 from outcore.offload.handle import Handle
 from outcore.offload.io_config import IOConfig
+from outcore.offload.scratch_dir import open_private
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ def open_io_file(path: str, *, direct: bool, create: bool = True, truncate: bool
     `private`: never through a symbolic link, and only a regular file of ours (scratch_dir.py)."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_TRUNC if truncate else 0)
     if private:
-        from outcore.offload.scratch_dir import open_private
-
         check = open_private(path, flags & ~os.O_TRUNC)  # refused before a byte is truncated
         os.close(check)
         flags |= os.O_NOFOLLOW
