@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,7 +129,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                 "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                 "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"), "files": dict(crcs)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
+            json.dump(_sealed(meta), f, indent=1, default=str)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -148,28 +149,58 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     return final
 
 
+def _digest(meta: dict) -> str:
+    """crc32 of meta.json's content without its own checksum, in a canonical spelling."""
+    body = {k: v for k, v in meta.items() if k != "meta_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()):08x}"
+
+
+def _sealed(meta: dict) -> dict:
+    """meta.json's content with its own checksum, which loading and export verify."""
+    canonical = json.loads(json.dumps(meta, default=str))  # what reading it back will give
+    return {**canonical, "meta_crc32": _digest(canonical)}
+
+
 def resolve_tag(directory: str, tag: str | None) -> str:
     if tag is not None:
         return tag
     latest = os.path.join(directory, "latest")
     try:
-        with open(latest) as f:
-            return f.read().strip()
+        with open(latest, encoding="utf-8") as f:
+            name = f.read().strip()
     except OSError as e:
         raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; "
                          "name a tag (tag=..., or --tag on the command line).") from e
+    except UnicodeDecodeError as e:
+        raise StorageCorruptError("latest", latest, "not UTF-8 text") from e
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise StorageCorruptError("latest", latest, f"holds {name[:60]!r}, not a bare tag name")
+    return name
 
 
 def read_meta(folder: str) -> dict:
-    """A checkpoint folder's meta.json; a missing or damaged one is named in the error."""
+    """A checkpoint folder's meta.json, checked: its own checksum, the format this outcore reads, and
+    a file checksum for every rank. A missing, damaged or edited one is named in the error."""
     meta_path = os.path.join(folder, "meta.json")
     try:
-        with open(meta_path) as f:
-            return json.load(f)
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
     except OSError as e:
         raise ValueError(f"checkpoint {folder!r} has no readable meta.json ({e.strerror}).") from e
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise StorageCorruptError("meta.json", meta_path, "not a JSON object")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {folder!r} has format {meta.get('format')!r}; this outcore reads format "
+                         f"{FORMAT}.")
+    if meta.get("meta_crc32") != _digest(meta):
+        raise StorageCorruptError("meta.json", meta_path, "its checksum does not match its content (edited?)")
+    world = meta.get("world_size")
+    if not isinstance(world, int) or world < 1 or sorted(meta.get("files") or {}) != sorted(
+            f"rank{r}.safetensors" for r in range(world)):
+        raise StorageCorruptError("meta.json", meta_path, "its list of rank files does not match its world size")
+    return meta
 
 
 def verify_rank_file(folder: str, meta: dict, name: str, *, checksum: bool = True) -> str:
