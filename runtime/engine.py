@@ -103,17 +103,8 @@ class Engine:
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
-        try:
-            self._materialize(init_fn, seed, pretrained)
-        except BaseException:
-            self._discard_store()  # a failed start leaves no swap file filling the disk
-            raise
-        self.sharded.anchor(self.device, self.policy.torch_dtype)
         self._hooks: list[Any] = []
-        for unit in self.units:
-            self._hooks += register_unit_hooks(self, unit, is_root=unit.plan.module is model)
-            if not unit.frozen:
-                self._hooks.append(register_grad_hook(self, unit))
+        self._start(init_fn, seed, pretrained)
 
     @property
     def module(self) -> nn.Module:
@@ -287,6 +278,21 @@ class Engine:
             unit.reshard()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _start(self, init_fn: Callable[[nn.Module], None] | None, seed: int,
+               pretrained: PretrainedWeights | None) -> None:
+        """Materialize every unit into the store, then wire the hooks. A start that fails leaves no
+        swap file filling the disk."""
+        try:
+            self._materialize(init_fn, seed, pretrained)
+        except BaseException:
+            self._discard_store()
+            raise
+        self.sharded.anchor(self.device, self.policy.torch_dtype)
+        for unit in self.units:
+            self._hooks += register_unit_hooks(self, unit, is_root=unit.plan.module is self.model)
+            if not unit.frozen:
+                self._hooks.append(register_grad_hook(self, unit))
 
     def _gather(self, unit: FlatUnit) -> None:
         """The unit's whole parameters, gathered unless they already are (a resident unit, the root
