@@ -40,19 +40,19 @@ from outcore.runtime.collectives import Group, init_group
 from outcore.runtime.config import Config
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft, lora_init, stored_under
+from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft, lora_init
 from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
 from outcore.runtime.host_heap import pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
-from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory
+from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory, unit_shapes
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
-from outcore.runtime.units import UnitPlan, plan_units
+from outcore.runtime.units import UnitPlan, plan_layout, plan_units
 from outcore.runtime.update_stream import UpdateStream
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Engine:
         if pretrained is not None:  # every name and shape checked before anything is written
             pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
-        self.store, self.place, self._owned_dir = self._open_store(_shapes(plans, layouts))
+        self.store, self.place, self._owned_dir = self._open_store(_unit_shapes(plans, self.policy))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
@@ -221,26 +221,17 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        return plan_memory(_shapes([u.plan for u in self.units], [u.layout for u in self.units]), self.policy)
+        return plan_memory(_unit_shapes([u.plan for u in self.units], self.policy), self.policy)
 
     def close(self) -> None:
         self.updates.close()
         for h in self._hooks:
             h.remove()
-        self.store.close()
-        if self._owned_dir:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
-
-    def _discard_store(self) -> None:
-        """Close the store of an engine that failed to start, deleting its scratch files; errors of
-        the close itself (the disk is full, say) give way to the one that stopped the start."""
-        self.updates.close()
         try:
             self.store.close()
-        except Exception:  # noqa: BLE001 - the first error is the one the caller sees
-            log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
-        if self._owned_dir:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
+        finally:
+            if self._owned_dir:
+                shutil.rmtree(self._owned_dir, ignore_errors=True)
 
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
@@ -286,7 +277,10 @@ class Engine:
         try:
             self._materialize(init_fn, seed, pretrained)
         except BaseException:
-            self._discard_store()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the error that stopped the start is the one to see
+                log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
             raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
         for unit in self.units:
@@ -348,29 +342,26 @@ class Engine:
     def _materialize(self, init_fn: Callable[[nn.Module], None] | None, seed: int,
                      pretrained: PretrainedWeights | None) -> None:
         """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
-        shard (the module's own copies are dropped); then the buffers, onto the device."""
+        shard (the module's own copies are dropped). The buffers come first, onto the device: from
+        `pretrained` where it holds them, else recomputed when built on the meta device."""
         names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
-        in_files = set(pretrained.tensors) if pretrained is not None else set()
-        for module, prefix in names.items():  # first: buffers computed in __init__ may be meta
-            recompute_buffers(self.model, prefix, module, init_fn, keep=stored_under(prefix, in_files))
+        for module, prefix in names.items():
+            full = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
+            stored = {n: pretrained.tensors[model_name(f)] for n, f in full.items()
+                      if pretrained is not None and model_name(f) in pretrained.tensors}
+            recompute_buffers(self.model, prefix, module, init_fn, keep=set(stored))
+            for n in full:
+                buf = module._buffers[n]
+                assert buf is not None
+                if pretrained is not None and n in stored:
+                    buf = pretrained.read(stored[n], buf.dtype).to(buf.dtype)
+                module._buffers[n] = buf.to(self.device)
         in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
         loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
         for unit in self.units:
             materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
                              lora_init=lora_init(self.model))
             self._shard(unit, pretrained)
-        for prefix, module in self.model.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is None:
-                    continue
-                full = f"{prefix}.{name}" if prefix else name
-                stored = pretrained.tensors.get(model_name(full)) if pretrained is not None else None
-                if pretrained is not None and stored is not None:
-                    buf = pretrained.read(stored, buf.dtype).to(buf.dtype)
-                assert not buf.is_meta, full  # recompute_buffers gave it values, or raised
-                if buf.device != self.device:
-                    buf = buf.to(self.device)
-                module._buffers[name] = buf
         if pretrained is not None:
             pretrained.close()
 
@@ -409,11 +400,9 @@ class Engine:
             unit.bind_views()
 
 
-def _shapes(plans: list[UnitPlan], layouts: list[Layout]) -> list[UnitShape]:
-    """The memory plan's view of the units (a unit and its frozen sibling share their module)."""
-    modules: dict[int, int] = {}
-    return [UnitShape(lay.shard, lay.padded, p.frozen, p.root, modules.setdefault(id(p.module), len(modules)))
-            for p, lay in zip(plans, layouts, strict=True)]
+def _unit_shapes(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
+    numels, layout = plan_layout(plans)
+    return unit_shapes(numels, policy, **layout)
 
 
 def _compute_device(device: str | torch.device | None) -> torch.device:

@@ -8,13 +8,6 @@ from collections.abc import Callable
 
 from torch import nn
 
-from outcore.runtime.pretrained import model_name
-
-
-def stored_under(prefix: str, stored: set[str]) -> Callable[[str], bool]:
-    """Whether a buffer of the module named `prefix` is among the `stored` tensor names."""
-    return lambda name: model_name(f"{prefix}.{name}" if prefix else name) in stored
-
 
 def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "base_model")

@@ -92,10 +92,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
 
 
 def recompute_buffers(model: nn.Module, name: str, module: nn.Module,
-                      init_fn: Callable[[nn.Module], None] | None, keep: Callable[[str], bool]) -> None:
-    """Give `module`'s meta buffers (except those `keep` names, which come from weights) real
+                      init_fn: Callable[[nn.Module], None] | None, keep: set[str]) -> None:
+    """Give `module`'s meta buffers (except those in `keep`, which come from weights) real
     values by running its initialization again; ValueError naming a buffer left without values."""
-    meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta and not keep(n)]
+    meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta and n not in keep]
     if not meta:
         return
     for n in meta:

@@ -154,3 +154,12 @@ def _split_frozen(unit: UnitPlan) -> list[UnitPlan]:
     if frozen:
         parts.append(UnitPlan(unit.index, unit.name, unit.module, frozen, frozen=True, root=unit.root))
     return parts
+
+
+def plan_layout(plans: list[UnitPlan]) -> tuple[list[int], dict[str, list]]:
+    """Parameters per unit, and what the memory plan needs beside them: which units are frozen,
+    which are the root's, and which share a module (a unit and its frozen sibling)."""
+    modules: dict[int, int] = {}
+    return [p.numel for p in plans], {
+        "frozen": [p.frozen for p in plans], "roots": [p.root for p in plans],
+        "modules": [modules.setdefault(id(p.module), len(modules)) for p in plans]}

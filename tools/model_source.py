@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from outcore.runtime import deferred_init
-from outcore.runtime.units import plan_units
+from outcore.runtime.units import plan_layout, plan_units
 from outcore.tools.gpt import GPT, PRESETS, GPTConfig, init_fn
 from outcore.tools.hf_source import HFModel, is_hf_directory
 
@@ -61,11 +61,7 @@ def unit_layout(model: nn.Module) -> tuple[list[int], dict]:
     """Parameters per fetch unit of a (meta-device) model, and what `estimate` needs beside them:
     which units are frozen, which are the root's, and which share a module (a unit and its frozen
     sibling)."""
-    plans = plan_units(model)
-    modules: dict[int, int] = {}
-    return [sum(s.numel for s in p.slots) for p in plans], {
-        "frozen": [p.frozen for p in plans], "roots": [p.root for p in plans],
-        "modules": [modules.setdefault(id(p.module), len(modules)) for p in plans]}
+    return plan_layout(plan_units(model))
 
 
 def gpt_of_size(params: int, vocab: int = 32000, seq: int = 2048) -> GPTConfig:
