@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outcore.offload.typed_fields import check_fields
+
 PAGE = 4096  # alignment of buffers, file offsets and lengths for O_DIRECT
 
 BACKENDS = ("threads", "aiofiles")
@@ -32,6 +34,7 @@ class IOConfig:
     nice: int = 15
 
     def __post_init__(self) -> None:
+        check_fields(self, "io.")
         if self.block_size < PAGE or self.block_size % PAGE:
             raise ValueError(f"io.block_size={self.block_size} must be a positive multiple of {PAGE}.")
         if self.queue_depth < 1:

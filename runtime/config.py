@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from outcore.offload.io_config import IOConfig
+from outcore.offload.typed_fields import check_fields
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.policy import DTYPES, OFFLOADS
 
@@ -53,7 +55,7 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
             self.io = _build(IOConfig, self.io, "io")
-        self.unit_classes = tuple(self.unit_classes)
+        check_fields(self)
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: use 1, 2 or 3.")
         for key in ("offload_params", "offload_optimizer"):
@@ -70,17 +72,15 @@ class Config:
             raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be >= 0.")
         if self.grad_accumulation < 1:
             raise ValueError(f"grad_accumulation={self.grad_accumulation}: must be >= 1.")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip={self.grad_clip}: must be > 0, or None for no clipping.")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError(f"grad_clip={self.grad_clip}: must be a finite number > 0, or None for no clipping.")
         for key in ("device_budget", "host_budget"):
             v = getattr(self, key)
             if v is not None and v <= 0:
                 raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
         if self.sub_group_size < 1024:
             raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least 1024 elements.")
-        unknown = set(self.optimizer) - {"lr", "betas", "eps", "weight_decay"}
-        if unknown:
-            raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; AdamW takes lr, betas, eps, weight_decay.")
+        _check_optimizer(self.optimizer)
 
     # -- readers ----------------------------------------------------------------------------------
 
@@ -133,6 +133,25 @@ class Config:
     def from_deepspeed(cls, ds: dict[str, Any]) -> Config:
         """Translate a DeepSpeed ds_config; every key read but not used is warned about once."""
         return cls.from_dict(translate_deepspeed(ds))
+
+
+def _check_optimizer(hp: dict[str, Any]) -> None:
+    """The AdamW keywords: known names, finite numbers in their ranges (lr 0 is a frozen run)."""
+    unknown = set(hp) - {"lr", "betas", "eps", "weight_decay"}
+    if unknown:
+        raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; AdamW takes lr, betas, eps, weight_decay.")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key, lowest, what in (("lr", 0.0, ">= 0"), ("eps", 0.0, "> 0"), ("weight_decay", 0.0, ">= 0")):
+        if key in hp and not (number(hp[key]) and (hp[key] > lowest or (what == ">= 0" and hp[key] == 0))):
+            raise ValueError(f"optimizer.{key}={hp[key]!r}: must be a finite number {what}.")
+    betas = hp.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"optimizer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.95].")
+    if "betas" in hp:
+        hp["betas"] = tuple(float(b) for b in betas)
 
 
 def _build(cls, data: dict[str, Any], what: str):

@@ -1,76 +1,133 @@
 """A DeepSpeed ds_config translated into the fields of `outcore.Config`.
 
 Every key outcore reads is mapped to its own setting; every key it reads but does not use is
-warned about once, by name, so that nothing a user set is dropped without a word.
+warned about once, by name, so that nothing a user set is dropped without a word. A value of the
+wrong shape (`"aio": 5`, `"bf16": true`, stage 2.7) is one ValueError naming its key path.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+_ZERO_KEYS = {"stage", "sub_group_size", "offload_param", "offload_optimizer"}
+_AIO_KEYS = {"block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "threads",
+             "thread_count": "threads"}
+_ADAMW_KEYS = ("lr", "eps", "weight_decay")
+
 
 def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(ds, dict):
+        raise ValueError(f"a DeepSpeed config is a mapping of sections, not {type(ds).__name__}.")
     out: dict[str, Any] = {}
     io: dict[str, Any] = {}
-
-    def ignored(key: str) -> None:
-        log.warning("from_deepspeed: %s is not used by outcore and was ignored", key)
-
-    def given(v: Any) -> bool:
-        return v is not None and v != "auto"
-
     for key, value in ds.items():
         if key == "zero_optimization":
-            z = value or {}
-            if given(z.get("stage")):
-                out["stage"] = int(z["stage"])
-            if given(z.get("sub_group_size")):
-                out["sub_group_size"] = int(z["sub_group_size"])
-            for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
-                o = z.get(ds_key)
-                if not o:
-                    continue
-                out[ours] = o.get("device", "none")
-                if o.get("nvme_path"):
-                    out["nvme_dir"] = o["nvme_path"]
-                for sub in sorted(set(o) - {"device", "nvme_path"}):
-                    ignored(f"zero_optimization.{ds_key}.{sub}")
-            for sub in sorted(set(z) - {"stage", "sub_group_size", "offload_param", "offload_optimizer"}):
-                ignored(f"zero_optimization.{sub}")
+            _zero(_section(key, value), out)
         elif key == "aio":
-            for ds_key, ours in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
-                                 ("intra_op_parallelism", "threads"), ("thread_count", "threads")):
-                if given(value.get(ds_key)):
-                    io[ours] = int(value[ds_key])
-            for sub in sorted(set(value) - {"block_size", "queue_depth", "intra_op_parallelism", "thread_count"}):
-                ignored(f"aio.{sub}")
+            aio = _section(key, value)
+            for ds_key, ours in _AIO_KEYS.items():
+                if _given(aio.get(ds_key)):
+                    io[ours] = _whole(f"aio.{ds_key}", aio[ds_key])
+            _ignore_rest("aio", aio, set(_AIO_KEYS))
         elif key in ("bf16", "fp16"):
-            if value.get("enabled") and value.get("enabled") != "auto":
+            precision = _section(key, value)
+            enabled = precision.get("enabled", False)
+            if enabled not in (True, False, "auto"):
+                raise ValueError(f"from_deepspeed: {key}.enabled={enabled!r}: must be true, false or \"auto\".")
+            if enabled is True:
+                if "dtype" in out:
+                    raise ValueError("from_deepspeed: bf16.enabled and fp16.enabled are both true; enable one.")
                 out["dtype"] = key
-            for sub in sorted(set(value) - {"enabled"}):
-                ignored(f"{key}.{sub}")
+            _ignore_rest(key, precision, {"enabled"})
         elif key == "gradient_clipping":
-            if given(value):
-                out["grad_clip"] = float(value) if float(value) > 0 else None
+            if _given(value):
+                clip = _number(key, value)
+                out["grad_clip"] = clip if clip > 0 else None  # DeepSpeed's 0: no clipping
         elif key == "gradient_accumulation_steps":
-            if given(value):
-                out["grad_accumulation"] = int(value)
+            if _given(value):
+                out["grad_accumulation"] = _whole(key, value)
         elif key == "optimizer":
-            kind = str(value.get("type", "AdamW")).lower()
-            if kind not in ("adamw", "adam"):
-                raise ValueError(f"optimizer.type={value.get('type')!r}: outcore provides AdamW only.")
-            params = value.get("params", {})
-            opt = {k: params[k] for k in ("lr", "eps", "weight_decay") if given(params.get(k))}
-            if given(params.get("betas")):
-                opt["betas"] = tuple(params["betas"])
-            for sub in sorted(set(params) - {"lr", "betas", "eps", "weight_decay"}):
-                ignored(f"optimizer.params.{sub}")
-            out["optimizer"] = opt
+            out["optimizer"] = _optimizer(_section(key, value))
         else:
-            ignored(key)
+            _ignored(key)
     if io:
         out["io"] = io
     return out
+
+
+def _zero(z: dict[str, Any], out: dict[str, Any]) -> None:
+    if _given(z.get("stage")):
+        stage = _whole("zero_optimization.stage", z["stage"])
+        if stage not in (1, 2, 3):
+            raise ValueError(f"from_deepspeed: zero_optimization.stage={stage}: outcore shards at stage 1, 2 or 3.")
+        out["stage"] = stage
+    if _given(z.get("sub_group_size")):
+        out["sub_group_size"] = _whole("zero_optimization.sub_group_size", z["sub_group_size"])
+    for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
+        if z.get(ds_key) is None:
+            continue
+        where = f"zero_optimization.{ds_key}"
+        o = _section(where, z[ds_key], example='{"device": "nvme", "nvme_path": "/local_nvme"}')
+        device = o.get("device", "none")
+        if not isinstance(device, str):
+            raise ValueError(f"from_deepspeed: {where}.device={device!r}: must be \"none\", \"cpu\" or \"nvme\".")
+        out[ours] = device
+        if o.get("nvme_path"):
+            out["nvme_dir"] = o["nvme_path"]
+        _ignore_rest(where, o, {"device", "nvme_path"})
+    _ignore_rest("zero_optimization", z, _ZERO_KEYS)
+
+
+def _optimizer(section: dict[str, Any]) -> dict[str, Any]:
+    kind = str(section.get("type", "AdamW")).lower()
+    if kind not in ("adamw", "adam"):
+        raise ValueError(f"optimizer.type={section.get('type')!r}: outcore provides AdamW only.")
+    params = _section("optimizer.params", section.get("params", {}))
+    hp: dict[str, Any] = {k: _number(f"optimizer.params.{k}", params[k]) for k in _ADAMW_KEYS if _given(params.get(k))}
+    if _given(params.get("betas")):
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ValueError(f"from_deepspeed: optimizer.params.betas={betas!r}: must be two numbers, "
+                             "e.g. [0.9, 0.999].")
+        hp["betas"] = tuple(_number("optimizer.params.betas", b) for b in betas)
+    _ignore_rest("optimizer.params", params, set(_ADAMW_KEYS) | {"betas"})
+    _ignore_rest("optimizer", section, {"type", "params"})
+    return hp
+
+
+def _section(where: str, value: Any, example: str = '{...}') -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"from_deepspeed: {where}={value!r}: must be a mapping, e.g. \"{where.split('.')[-1]}\": "
+                         f"{example}.")
+    return value
+
+
+def _whole(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ValueError(f"from_deepspeed: {where}={value!r}: must be a whole number.")
+    return int(value)
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"from_deepspeed: {where}={value!r}: must be a finite number.")
+    return float(value)
+
+
+def _given(v: Any) -> bool:
+    return v is not None and v != "auto"
+
+
+def _ignore_rest(where: str, section: dict[str, Any], used: set[str]) -> None:
+    for sub in sorted(set(section) - used):
+        _ignored(f"{where}.{sub}")
+
+
+def _ignored(key: str) -> None:
+    log.warning("from_deepspeed: %s is not used by outcore and was ignored", key)

@@ -156,7 +156,12 @@ def train(opts: TrainOptions, *, report=print) -> dict:
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
     steps = opts.steps or job.steps
-    peak_lr = opts.lr or job.lr
+    # AdamW: the job's defaults, then the config's optimizer section, then --lr (the schedule's peak)
+    hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
+             else 0.0, **config.optimizer}
+    if opts.lr is not None:
+        hyper["lr"] = opts.lr
+    peak_lr = hyper["lr"]
     eval_every = opts.eval_every or max(1, steps // 5)
     save_every = opts.save_every or 0
 
@@ -175,8 +180,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:  # read by outcore's GPT (and by any model of one's own that honours it)
             setattr(model, "checkpoint_activations", checkpointing)  # noqa: B010
-        hp = runtime.AdamW(lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1 if job.trainable == job.params
-                           else 0.0)
+        hp = runtime.AdamW(**hyper)
         t_init = time.perf_counter()
         engine = runtime.Engine(model, config, hp, seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
@@ -260,7 +264,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         "bytes_written_per_step": totals["written"] / ran,
         "tokens_per_second": totals["tokens"] / max(totals["seconds"], 1e-9), "init_seconds": init_seconds,
         "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
-        "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(),
+        "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
     }
     losses = f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history else " (it had already reached --steps)"
     val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
