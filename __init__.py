@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from outcore.offload.io_config import IOConfig as IOConfig
     from outcore.offload.residency import Tier as Tier
     from outcore.offload.store import TieredStore as TieredStore
+    from outcore.runtime.collectives import RanksLostError as RanksLostError
     from outcore.runtime.config import Config as Config
     from outcore.runtime.engine import Engine as Engine
     from outcore.runtime.materialize import deferred_init as deferred_init
@@ -34,6 +35,7 @@ _EXPORTS = {
     "StorageFullError": "outcore.offload.errors",
     "StorageCorruptError": "outcore.offload.errors",
     "OutOfBudgetError": "outcore.offload.errors",
+    "RanksLostError": "outcore.runtime.collectives",
 }
 
 __all__ = sorted(_EXPORTS)

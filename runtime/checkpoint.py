@@ -21,10 +21,10 @@ import zlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from outcore.offload import StorageCorruptError
 from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
+from outcore.runtime.collectives import barrier, gather_objects
 from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
@@ -32,19 +32,6 @@ if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
 
 FORMAT = 1
-
-
-def _barrier(sm: ShardedModel) -> None:
-    if sm.group.world > 1:
-        dist.barrier()
-
-
-def _gather(sm: ShardedModel, value):
-    if sm.group.world == 1:
-        return [value]
-    out = [None] * sm.group.world
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _layout(sm: ShardedModel) -> list[dict]:
@@ -80,7 +67,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier(sm)
+    barrier(sm.group)
     name = f"rank{sm.group.rank}.safetensors"
     path = os.path.join(tmp, name)
     store, place = sm.store, sm.place
@@ -122,7 +109,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     for k, v in buffers.items():
         writer.write(k, v)
     writer.close()
-    crcs = _gather(sm, (name, f"{file_crc32(path):08x}"))
+    crcs = gather_objects((name, f"{file_crc32(path):08x}"), sm.group)
     if sm.group.rank == 0:
         meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
                 "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
@@ -145,7 +132,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(directory, "latest"))
         _fsync_dir(directory)
-    _barrier(sm)
+    barrier(sm.group)
     return final
 
 

@@ -2,15 +2,30 @@
 
 gloo has no reduce-scatter, so there a gradient is all-reduced and each rank keeps its slice;
 NCCL uses `reduce_scatter_tensor`. Both give every rank the sum over ranks of its shard.
+
+A process group made here waits at most `Config.collective_timeout` seconds in any collective.
+A rank that stalls (or dies) then turns into `RanksLostError` on the others, naming the
+collective and what to do, where gloo alone would wait 30 minutes and then say little.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# What gloo and NCCL say when a peer is late or gone (their errors are plain RuntimeErrors).
+_LOST = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "remote worker crashing")
+
+
+class RanksLostError(RuntimeError):
+    """A collective gave up on the other ranks: one of them is stalled or has died."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,20 +34,55 @@ class Group:
 
     rank: int = 0
     world: int = 1
+    timeout: float | None = None  # seconds a collective waits; None: the process group's own
 
     @property
     def backend(self) -> str | None:
         return dist.get_backend() if self.world > 1 else None
 
 
-def init_group(device: torch.device) -> Group:
-    """Join the default process group from torchrun's environment, or run as one rank."""
+def init_group(device: torch.device, timeout: float) -> Group:
+    """Join the default process group from torchrun's environment, or run as one rank. A group the
+    caller made already is joined with its own timeout."""
     if dist.is_available() and dist.is_initialized():
         return Group(dist.get_rank(), dist.get_world_size())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return Group(dist.get_rank(), dist.get_world_size())
+        joining = Group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
+        with _guarded("joining the process group", joining):
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        return Group(dist.get_rank(), dist.get_world_size(), timeout)
     return Group()
+
+
+@contextlib.contextmanager
+def _guarded(what: str, group: Group) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:
+        if not any(word in str(e).lower() for word in _LOST):
+            raise
+        waited = f"more than {group.timeout:.0f} s" if group.timeout else "past the process group's timeout"
+        raise RanksLostError(
+            f"rank {group.rank}: {what} waited {waited} for the other ranks, or one of them went away: a rank is "
+            f"stalled or dead; see its log. If a step of this model legitimately takes longer, raise "
+            f"Config.collective_timeout (outcore train --timeout). ({str(e).splitlines()[0][:200]})") from e
+
+
+def barrier(group: Group) -> None:
+    if group.world > 1:
+        with _guarded("a barrier", group):
+            dist.barrier()
+
+
+def gather_objects(value: Any, group: Group) -> list[Any]:
+    """Every rank's `value`, in rank order (small picklable records only)."""
+    if group.world == 1:
+        return [value]
+    out: list[Any] = [None] * group.world
+    with _guarded("all_gather_object", group):
+        dist.all_gather_object(out, value)
+    return out
 
 
 def all_gather_chunk(full: torch.Tensor, piece: torch.Tensor, shard: int, start: int, end: int,
@@ -41,7 +91,8 @@ def all_gather_chunk(full: torch.Tensor, piece: torch.Tensor, shard: int, start:
     if group.world == 1:
         full[start:end].copy_(piece)
         return
-    dist.all_gather([full[r * shard + start : r * shard + end] for r in range(group.world)], piece)
+    with _guarded("all_gather", group):
+        dist.all_gather([full[r * shard + start : r * shard + end] for r in range(group.world)], piece)
 
 
 def reduce_scatter(full: torch.Tensor, group: Group) -> torch.Tensor:
@@ -50,13 +101,16 @@ def reduce_scatter(full: torch.Tensor, group: Group) -> torch.Tensor:
         return full
     if group.backend == "nccl":
         out = torch.empty(full.numel() // group.world, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(out, full)
+        with _guarded("reduce_scatter", group):
+            dist.reduce_scatter_tensor(out, full)
         return out
-    dist.all_reduce(full)
+    with _guarded("reduce_scatter (all_reduce on gloo)", group):
+        dist.all_reduce(full)
     return full.chunk(group.world)[group.rank]
 
 
 def all_reduce_sum(value: torch.Tensor, group: Group) -> torch.Tensor:
     if group.world > 1:
-        dist.all_reduce(value)
+        with _guarded("all_reduce", group):
+            dist.all_reduce(value)
     return value

@@ -35,6 +35,8 @@ class Config:
     optimizer:         AdamW keyword arguments used when the Engine is given no optimizer.
     sub_group_size:    elements per optimizer chunk: the optimizer streams [master|m|v] of this
                        many parameters at a time (16 B each with the gradient), whatever the unit size.
+    collective_timeout: seconds any collective waits for the other ranks before a stalled or dead
+                       rank becomes an error on every rank (used when the engine makes the group).
     """
 
     stage: int = 3
@@ -51,6 +53,7 @@ class Config:
     unit_classes: tuple[str, ...] = ()
     optimizer: dict[str, Any] = field(default_factory=dict)
     sub_group_size: int = 1 << 22
+    collective_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
@@ -80,6 +83,8 @@ class Config:
                 raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
         if self.sub_group_size < 1024:
             raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least 1024 elements.")
+        if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
+            raise ValueError(f"collective_timeout={self.collective_timeout}: must be a finite number of seconds > 0.")
         _check_optimizer(self.optimizer)
 
     # -- readers ----------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ class Engine:
         pin_mmap_threshold()  # see runtime/host_heap.py: RSS follows the budgets, not malloc's timing
         self.config, self.model = config, model
         self.device = _compute_device(device)
-        self.group: Group = init_group(self.device)
+        self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
         self.hp = optimizer or AdamW(**config.optimizer)
         self.lr = self.hp.lr

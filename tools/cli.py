@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+                   help="how long a collective waits for a stalled rank before every rank stops (default 600)")
     t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")
     t.set_defaults(run=_train)
 
@@ -220,7 +222,8 @@ def _train(args: argparse.Namespace) -> int:
                         device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
                         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
                         save_final=not args.no_save, resume=args.resume,
-                        checkpoint_activations=args.checkpoint_activations, seed=args.seed)
+                        checkpoint_activations=args.checkpoint_activations, seed=args.seed,
+                        collective_timeout=args.timeout)
     try:
         summary = train(opts, report=lambda line: print(line, flush=True))
     except ValueError as e:

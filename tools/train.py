@@ -58,6 +58,7 @@ class TrainOptions:
     resume: bool = False
     seed: int = 0
     checkpoint_activations: bool | None = None  # None: on for 24 layers and more
+    collective_timeout: float | None = None  # seconds a collective waits for a stalled rank
     overrides: dict = field(default_factory=dict)
 
 
@@ -101,7 +102,8 @@ def build_config(opts: TrainOptions, units: list[int],
     values.update({k: v for k, v in {
         "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "host_budget": opts.host_budget,
         "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
-        "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer}.items() if v is not None})
+        "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer,
+        "collective_timeout": opts.collective_timeout}.items() if v is not None})
     if not opts.config:
         values["grad_clip"] = opts.grad_clip
         if opts.dtype is None:

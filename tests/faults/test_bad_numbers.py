@@ -9,8 +9,8 @@ from outcore.tools.train import TrainOptions, train
 @pytest.mark.parametrize("argv", [
     ["train", "--steps", "0"], ["train", "--lr", "0"], ["train", "--lr", "nan"], ["train", "--lr", "inf"],
     ["train", "--batch", "0"], ["train", "--batch", "-1"], ["train", "--eval-batches", "0"],
-    ["train", "--prefetch-depth", "-1"], ["train", "--grad-clip", "-1"], ["estimate", "--params", "1B",
-                                                                          "--world-size", "0"],
+    ["train", "--prefetch-depth", "-1"], ["train", "--grad-clip", "-1"], ["train", "--timeout", "0"],
+    ["estimate", "--params", "1B", "--world-size", "0"],
 ])
 def test_a_bad_number_exits_2_with_one_line(tmp_path, monkeypatch, capsys, argv):
     monkeypatch.chdir(tmp_path)
