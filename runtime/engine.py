@@ -25,7 +25,6 @@ import enum
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from outcore.offload import StorageFullError, Tier, TieredStore
+from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group
 from outcore.runtime.config import Config
@@ -230,8 +230,8 @@ class Engine:
         try:
             self.store.close()
         finally:
-            if self._owned_dir:
-                shutil.rmtree(self._owned_dir, ignore_errors=True)
+            if self._owned_dir is not None:
+                self._owned_dir.remove()
 
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
@@ -317,26 +317,32 @@ class Engine:
             if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
                 self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
 
-    def _open_store(self, shapes: list[UnitShape]) -> tuple[TieredStore, Placement, str | None]:
+    def _open_store(self, shapes: list[UnitShape]) -> tuple[TieredStore, Placement, OwnedDir | None]:
         """The store, sized from the memory plan, and the final placement (whether optimizer states
         on NVMe are written back after each update depends on the host budget)."""
         c = self.config
-        owned = None
-        nvme_dir = c.nvme_dir
-        if nvme_dir is None:  # nothing rests on NVMe; the store still wants a scratch directory
-            nvme_dir = owned = tempfile.mkdtemp(prefix="outcore-")
         plan = plan_memory(shapes, self.policy)
         device_budget, host_budget = _budgets(c, plan)
         if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
-            os.makedirs(nvme_dir, mode=0o700, exist_ok=True)
-            free = shutil.disk_usage(nvme_dir).free
+            assert c.nvme_dir is not None  # Config requires it with anything on NVMe
+            os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
+            free = shutil.disk_usage(c.nvme_dir).free
             if free < plan.nvme.total:
-                raise StorageFullError(nvme_dir, plan.nvme.total, free)
+                raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
         # With room in HOST for every optimizer state, writing them to NVMe and reading them back
         # each step would buy nothing: they stay in HOST once updated.
         place = replace(self.policy.placement, write_back=not plan.keeps_optimizer_states(host_budget))
-        store = TieredStore(nvme_dir, self.device, device_budget, host_budget, c.io, rank=self.group.rank,
-                            prefetch_bytes=device_budget // 2)
+        # Nothing rests on NVMe without an nvme_dir, but the store still wants a scratch folder.
+        owned = OwnedDir("outcore-") if c.nvme_dir is None else None
+        directory = owned.path if owned is not None else c.nvme_dir
+        assert directory is not None
+        try:
+            store = TieredStore(directory, self.device, device_budget, host_budget, c.io, rank=self.group.rank,
+                                prefetch_bytes=device_budget // 2)
+        except BaseException:
+            if owned is not None:
+                owned.remove()
+            raise
         return store, place, owned
 
     def _materialize(self, init_fn: Callable[[nn.Module], None] | None, seed: int,

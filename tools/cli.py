@@ -8,6 +8,7 @@ import os
 import sys
 
 from outcore.runtime.policy import OFFLOADS
+from outcore.tools.interrupts import Interrupted, handle_signals
 from outcore.tools.presets import PRESETS
 from outcore.tools.units import (
     human_bytes,
@@ -338,6 +339,15 @@ def _tune(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="outcore: %(message)s")
+    with handle_signals():
+        try:
+            return _run(argv)
+        except Interrupted as e:  # before the command began
+            print(f"outcore: {e}", file=sys.stderr)
+            return e.exit_code
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -346,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.run(args)
+    except Interrupted as e:
+        print(f"outcore {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except UsageError as e:
         print(f"outcore: {e}", file=sys.stderr)
         return EXIT_USAGE

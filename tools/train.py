@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -20,8 +18,10 @@ import psutil
 import torch
 
 from outcore import runtime
+from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
+from outcore.tools.interrupts import step_boundaries, stop_if_requested
 from outcore.tools.report import peak_rss
 from outcore.tools.train_job import Data, Job, hf_job, preset_job
 from outcore.tools.units import human_bytes
@@ -94,7 +94,7 @@ def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | 
 
 
 def build_config(opts: TrainOptions, units: list[int],
-                 device: torch.device) -> tuple[runtime.Config, list[str], str | None]:
+                 device: torch.device) -> tuple[runtime.Config, list[str], OwnedDir | None]:
     """The run's Config: the file's, overridden by flags, the rest chosen for this machine. Also
     returns what was chosen (to print) and the NVMe folder created for the run, if any."""
     notes = []
@@ -120,13 +120,14 @@ def build_config(opts: TrainOptions, units: list[int],
     values.update(opts.overrides)
     owned = None
     if values.get("nvme_dir") is None and "nvme" in (values.get("offload_params"), values.get("offload_optimizer")):
-        owned = values["nvme_dir"] = tempfile.mkdtemp(prefix=".outcore-nvme-", dir=os.getcwd())
-        notes.append(f"NVMe tier in {owned} (removed at the end; --nvme-dir to choose)")
+        owned = OwnedDir(".outcore-nvme-", os.getcwd())  # a killed run's one is reclaimed here
+        values["nvme_dir"] = owned.path
+        notes.append(f"NVMe tier in {owned.path} (removed at the end; --nvme-dir to choose)")
     try:
         return runtime.Config.from_dict(values), notes, owned
     except ValueError:
-        if owned:
-            os.rmdir(owned)
+        if owned is not None:
+            owned.remove()
         raise
 
 
@@ -145,6 +146,15 @@ def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, dev
     with torch.no_grad():
         losses = [float(job.loss(engine, held_out.at(i), device)) for i in range(batches)]
     return sum(losses) / len(losses)
+
+
+def _kept(ckpt_dir: str) -> str:
+    """What a run stopped early leaves to resume from."""
+    try:
+        with open(os.path.join(ckpt_dir, "latest")) as f:
+            return f"resume from {os.path.join(ckpt_dir, f.read().strip())} with --resume"
+    except OSError:
+        return "no checkpoint was saved (--save-every N saves along the way)"
 
 
 def train(opts: TrainOptions, *, report=print) -> dict:
@@ -201,7 +211,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
         accum = config.grad_accumulation
-        with progress(steps - start, "train") as bar:
+        with step_boundaries(), progress(steps - start, "train") as bar:
             for step in range(start, steps):
                 engine.lr = lr_at(step, steps, peak_lr)
                 t0 = time.perf_counter()
@@ -245,15 +255,18 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                     (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
                 if saving:
                     engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
+                stop_if_requested(f" after step {step + 1} of {steps}; {_kept(ckpt_dir)}")
         if opts.save_final and steps > start:
             engine.save_checkpoint(ckpt_dir, f"step{steps}")
         exported = job.export(engine, opts.out) if job.export is not None and opts.save_final else None
         stats = engine.stats()
     finally:
-        if engine is not None:
-            engine.close()
-        if owned_nvme:
-            shutil.rmtree(owned_nvme, ignore_errors=True)
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            if owned_nvme is not None:
+                owned_nvme.remove()
 
     ran = max(1, steps - start)
     summary = {
