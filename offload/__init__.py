@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from outcore.offload.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
+    from outcore.offload.errors import CheckpointCorruptError as CheckpointCorruptError
     from outcore.offload.errors import OutOfBudgetError as OutOfBudgetError
     from outcore.offload.errors import StorageCorruptError as StorageCorruptError
     from outcore.offload.errors import StorageError as StorageError
@@ -27,6 +28,7 @@ _EXPORTS = {
     "StorageError": "outcore.offload.errors",
     "StorageFullError": "outcore.offload.errors",
     "StorageCorruptError": "outcore.offload.errors",
+    "CheckpointCorruptError": "outcore.offload.errors",
     "OutOfBudgetError": "outcore.offload.errors",
 }
 

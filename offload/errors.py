@@ -1,6 +1,8 @@
-"""The storage manager's own error types: each names what went wrong and what to do."""
+"""outcore's own error types, the store's and its checkpoints': each names what went wrong and what to do."""
 
 from __future__ import annotations
+
+import os
 
 
 class StorageError(RuntimeError):
@@ -31,6 +33,17 @@ class StorageCorruptError(StorageError):
             f"stored bytes of key {key!r} in {path!r} are corrupt: {reason}. "
             "The swap file was changed or truncated behind the store's back; restart from a checkpoint."
         )
+
+
+class CheckpointCorruptError(StorageCorruptError):
+    """A checkpoint file (meta.json, `latest` or a rank file) is damaged or was edited."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.key = os.path.basename(path)
+        self.path = path
+        StorageError.__init__(
+            self, f"checkpoint file {path!r} is corrupt: {reason}. It changed after outcore wrote it; resume from "
+            "another tag (tag=..., train --tag) or re-run from an earlier checkpoint.")
 
 
 class OutOfBudgetError(StorageError):

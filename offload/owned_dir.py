@@ -10,6 +10,7 @@ that hold only files outcore writes, removes them, and says so once for each.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -41,6 +42,7 @@ class OwnedDir:
                                        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        atexit.register(self.remove)  # a script that ends without closing its engine leaves nothing
 
     def remove(self) -> None:
         if self._fd is None:
@@ -48,6 +50,7 @@ class OwnedDir:
         shutil.rmtree(self.path, ignore_errors=True)  # while still held: no sweep can race it
         os.close(self._fd)
         self._fd = None
+        atexit.unregister(self.remove)
 
 
 def reclaim_dead(prefix: str, parent: str) -> int:

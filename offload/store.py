@@ -213,6 +213,13 @@ class TieredStore(Moves, Writes, Budgets):
 
     def flush(self) -> None:
         """Wait until every write issued so far has landed, make them durable, write the index."""
+        errors = self._settle_writes()
+        self._swap.flush()
+        if errors:
+            raise errors[0]
+
+    def _settle_writes(self) -> list[StorageError]:
+        """Wait for every write issued so far; the failures among them (their bytes stayed in memory)."""
         with self._cond:
             writes = list(self._writes)
         errors = []
@@ -223,9 +230,7 @@ class TieredStore(Moves, Writes, Budgets):
                 errors.append(e)
         with self._cond:
             self._writes.difference_update(writes)
-        self._swap.flush()
-        if errors:
-            raise errors[0]
+        return errors
 
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
@@ -242,6 +247,7 @@ class TieredStore(Moves, Writes, Budgets):
                 "nvme": {"bytes": self._swap.used, "file_bytes": self._swap.capacity, "direct": self._swap.direct},
                 "keys": len(self._records),
                 "writes_pending": len(self._writes),
+                "writes_failed": self._counts["writes_failed"],
             }
             counts = dict(self._counts)
         out.update(self._engine.counters.snapshot())
@@ -269,11 +275,15 @@ class TieredStore(Moves, Writes, Budgets):
             return list(self._records)
 
     def close(self, *, keep_files: bool = False) -> None:
-        """Flush, stop the workers and (unless `keep_files`) delete the swap file: it is scratch."""
+        """Stop the workers and delete the swap file: it is scratch. `keep_files`: flush first, so
+        that the file and its index hold every key (a failed write is then raised)."""
         if self._closed:
             return
         try:
-            self.flush()
+            if keep_files:
+                self.flush()
+            else:  # a write that failed (a full disk) loses nothing: the file goes now
+                self._settle_writes()
         finally:
             with self._cond:
                 self._closed = True

@@ -38,7 +38,7 @@ class Writes(StoreCore):
                     rec.dirty = False
                     self._land(rec, Residency.NVME, old_buffer=old_mem)
                 else:  # keep the bytes: they stay in HOST, dirty, and nothing is lost
-                    log.error("write of %r failed; it stays in host memory: %s", rec.key, error)
+                    self._write_failed(rec.key, error)
                     rec.buffer = staging
                     self._land(rec, Residency.HOST, old_buffer=old_mem)
             move.future.set_result(None)
@@ -116,6 +116,15 @@ class Writes(StoreCore):
 
         io.add_done_callback(landed)
 
+    def _write_failed(self, key: str, error: BaseException) -> None:
+        """Said once per store: a full disk fails every write that follows, and each is counted."""
+        with self._cond:
+            self._counts["writes_failed"] += 1
+            first = self._counts["writes_failed"] == 1
+        if first:
+            log.error("writing %r to NVMe failed; it stays in memory, nothing is lost (later failures are counted "
+                      "in stats()['writes_failed']): %s", key, error)
+
     def _writeback_failed(self, job: WriteBackJob, error: BaseException) -> None:
         rec, move = job.record, job.move
         with self._cond:
@@ -124,5 +133,5 @@ class Writes(StoreCore):
             rec.to(move.source)  # the bytes stay in memory, still dirty: nothing is lost
             self._last_writeback_error = error
             self._cond.notify_all()
-        log.error("write-back of %r failed; it stays in memory: %s", rec.key, error)
+        self._write_failed(rec.key, error)
         move.future.set_exception(error)

@@ -17,12 +17,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from outcore.offload import StorageCorruptError
+from outcore.offload import StorageError, Tier, TieredStore
+from outcore.runtime.checkpoint_folder import (
+    FORMAT,
+    LATEST,
+    find_checkpoint,
+    is_tag,
+    read_meta,
+    sealed,
+    verify_rank_file,
+)
 from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.collectives import barrier, gather_objects
 from outcore.runtime.optimizer import ParamWriter
@@ -30,9 +38,6 @@ from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 
 if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
-
-FORMAT = 1
-
 
 def _layout(sm: ShardedModel) -> list[dict]:
     """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
@@ -57,19 +62,46 @@ def _fsync_dir(path: str) -> None:
 
 def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) -> str:
     """Write the model's training state under `directory/tag`; every rank calls it. `progress`:
-    the engine's own counters for meta.json (step, lr, loss_scale, config)."""
-    if not tag or "/" in tag or tag.startswith("."):
+    the engine's own counters for meta.json (step, lr, loss_scale, config). A save that fails (a full
+    disk, say) removes what it wrote and leaves the previous checkpoints as they were."""
+    if not is_tag(tag) or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
     sm.settle()
     final = os.path.join(directory, tag)
     tmp = os.path.join(directory, f".{tag}.tmp")
-    if sm.group.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier(sm.group)
     name = f"rank{sm.group.rank}.safetensors"
     path = os.path.join(tmp, name)
+    try:
+        if sm.group.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier(sm.group)
+        _write_rank_file(sm, path)
+        crcs = gather_objects((name, f"{file_crc32(path):08x}"), sm.group)
+        if sm.group.rank == 0:
+            meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
+                    "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
+                    "units": _layout(sm), "unit_steps": list(sm.updates.steps),
+                    "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
+                    "files": dict(crcs)}
+            _publish(directory, tag, tmp, meta)
+    except BaseException as e:
+        if sm.group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _unlink(path)
+        if isinstance(e, OSError):
+            raise StorageError(f"checkpoint {final!r}: writing {e.filename or path!r} failed: {e.strerror}. The "
+                               "partial save was removed and the earlier checkpoints are as they were; free space "
+                               "there, or save to another directory.") from e
+        raise
+    barrier(sm.group)
+    return final
+
+
+def _write_rank_file(sm: ShardedModel, path: str) -> None:
+    """This rank's states, streamed one unit at a time from wherever they rest."""
     store, place = sm.store, sm.place
     chunks = [c for u in sm.units for c in u.chunks]
     buffers = {BUFFER_PREFIX + k: v.contiguous() for k, v in sm.buffers().items()}
@@ -109,95 +141,57 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     for k, v in buffers.items():
         writer.write(k, v)
     writer.close()
-    crcs = gather_objects((name, f"{file_crc32(path):08x}"), sm.group)
-    if sm.group.rank == 0:
-        meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
-                "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
-                "units": _layout(sm), "unit_steps": list(sm.updates.steps),
-                "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"), "files": dict(crcs)}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(_sealed(meta), f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = os.path.join(directory, f".{tag}.old")
-        if os.path.exists(final):
-            os.replace(final, old)
-        os.replace(tmp, final)
+
+
+def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
+    """Rank 0: meta.json into the finished folder, the folder into place, then `latest`. A tag saved
+    before is moved aside to `.<tag>.old` first, and back should the move of the new one fail; a
+    crash between the two leaves `.<tag>.old`, which loading takes for the tag
+    (runtime/checkpoint_folder.py)."""
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(sealed(meta), f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final, old = os.path.join(directory, tag), os.path.join(directory, f".{tag}.old")
+    if os.path.exists(final):
         shutil.rmtree(old, ignore_errors=True)
-        latest_tmp = os.path.join(directory, ".latest.tmp")
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(old) and not os.path.exists(final):
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    latest_tmp = os.path.join(directory, ".latest.tmp")
+    try:
         with open(latest_tmp, "w") as f:
             f.write(tag + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(directory, "latest"))
-        _fsync_dir(directory)
-    barrier(sm.group)
-    return final
+        os.replace(latest_tmp, os.path.join(directory, LATEST))
+    finally:
+        _unlink(latest_tmp)
+    _fsync_dir(directory)
 
 
-def _digest(meta: dict) -> str:
-    """crc32 of meta.json's content without its own checksum, in a canonical spelling."""
-    body = {k: v for k, v in meta.items() if k != "meta_crc32"}
-    return f"{zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()):08x}"
-
-
-def _sealed(meta: dict) -> dict:
-    """meta.json's content with its own checksum, which loading and export verify."""
-    canonical = json.loads(json.dumps(meta, default=str))  # what reading it back will give
-    return {**canonical, "meta_crc32": _digest(canonical)}
-
-
-def resolve_tag(directory: str, tag: str | None) -> str:
-    if tag is not None:
-        return tag
-    latest = os.path.join(directory, "latest")
+def _unlink(path: str) -> None:
     try:
-        with open(latest, encoding="utf-8") as f:
-            name = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"no checkpoint in {directory!r}: {latest!r} is missing; "
-                         "name a tag (tag=..., or --tag on the command line).") from e
-    except UnicodeDecodeError as e:
-        raise StorageCorruptError("latest", latest, "not UTF-8 text") from e
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise StorageCorruptError("latest", latest, f"holds {name[:60]!r}, not a bare tag name")
-    return name
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
-def read_meta(folder: str) -> dict:
-    """A checkpoint folder's meta.json, checked: its own checksum, the format this outcore reads, and
-    a file checksum for every rank. A missing, damaged or edited one is named in the error."""
-    meta_path = os.path.join(folder, "meta.json")
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except OSError as e:
-        raise ValueError(f"checkpoint {folder!r} has no readable meta.json ({e.strerror}).") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StorageCorruptError("meta.json", meta_path, f"not valid JSON ({e})") from e
-    if not isinstance(meta, dict):
-        raise StorageCorruptError("meta.json", meta_path, "not a JSON object")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {folder!r} has format {meta.get('format')!r}; this outcore reads format "
-                         f"{FORMAT}.")
-    if meta.get("meta_crc32") != _digest(meta):
-        raise StorageCorruptError("meta.json", meta_path, "its checksum does not match its content (edited?)")
-    world = meta.get("world_size")
-    if not isinstance(world, int) or world < 1 or sorted(meta.get("files") or {}) != sorted(
-            f"rank{r}.safetensors" for r in range(world)):
-        raise StorageCorruptError("meta.json", meta_path, "its list of rank files does not match its world size")
-    return meta
-
-
-def verify_rank_file(folder: str, meta: dict, name: str, *, checksum: bool = True) -> str:
-    """The path of rank file `name`, refused by name if it is missing or its crc32 differs."""
-    path = os.path.join(folder, name)
-    if not os.path.exists(path):
-        raise ValueError(f"checkpoint file {path!r} is missing.")
-    if checksum and f"{file_crc32(path):08x}" != meta["files"].get(name):
-        raise StorageCorruptError(name, path, "checksum mismatch with meta.json")
-    return path
+def _overwrite(store: TieredStore, key: str, values: torch.Tensor, tier: Tier, *, return_home: bool) -> None:
+    """`key` := `values`: in place where it rests in memory (a budget sized for one copy of the
+    states has no room for a second while loading over a trained engine), else a new put."""
+    ram = store.ram_tier_of(key)
+    if ram is None:
+        store.put(key, values, tier, return_home=return_home)
+        return
+    store.fetch(key, ram).result().copy_(values)
+    store.release(key, dirty=True)
 
 
 def _fits(layout: list[dict]) -> list[dict]:
@@ -211,8 +205,7 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     runtime/checkpoint_shards.py); every rank calls it. Returns its meta.json, whose step, lr and
     loss scale the engine restores itself."""
     sm.settle()
-    tag = resolve_tag(directory, tag)
-    folder = os.path.join(directory, tag)
+    folder = find_checkpoint(directory, tag)
     meta = read_meta(folder)
     if _fits(meta.get("units") or []) != _fits(_layout(sm)):
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
@@ -233,7 +226,7 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
                 master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
                                 for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
                 state = torch.cat([m, v] if u.master_is_param else [master, m, v])
-                store.put(c.opt_key, state, place.opt_tier, return_home=place.opt_returns_home)
+                _overwrite(store, c.opt_key, state, place.opt_tier, return_home=place.opt_returns_home)
                 params.write(c, master)
             if u.resident:
                 u.refresh()

@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
     t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
     t.add_argument("--seed", type=int, default=0)
@@ -212,9 +213,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.nvme_dir:
         _writable(args.nvme_dir, "--nvme-dir", folder=True)
 
-    if args.resume and not os.path.exists(os.path.join(args.out, "checkpoints", "latest")):
-        raise UsageError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')!r}; "
-                         "run without --resume first, or point --out at the earlier run.")
+    if args.tag and not args.resume:
+        raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
+    if args.resume:
+        from outcore.runtime.checkpoint_folder import find_checkpoint
+
+        try:
+            find_checkpoint(os.path.join(args.out, "checkpoints"), args.tag)
+        except ValueError as e:
+            raise UsageError(f"--resume: {e} Run without --resume first, or point --out at the earlier run.") from None
     opts = TrainOptions(preset=args.preset, model=args.model, lora=args.lora, config=args.config, steps=args.steps,
                         data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
@@ -222,7 +229,7 @@ def _train(args: argparse.Namespace) -> int:
                         lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,
                         device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
                         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-                        save_final=not args.no_save, resume=args.resume,
+                        save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
                         checkpoint_activations=args.checkpoint_activations, seed=args.seed,
                         collective_timeout=args.timeout)
     try:

@@ -13,7 +13,8 @@ import os
 import shutil
 
 from outcore.offload import StorageCorruptError
-from outcore.runtime.checkpoint import BUFFER_PREFIX, read_meta, resolve_tag, verify_rank_file
+from outcore.runtime.checkpoint import BUFFER_PREFIX
+from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
 from outcore.runtime.policy import DTYPES, torch_dtype
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
@@ -23,7 +24,7 @@ def checkpoint_folder(path: str, tag: str | None = None) -> str:
     """A checkpoint tag folder, or a checkpoint directory (its `latest`, or `tag`)."""
     if tag is None and os.path.exists(os.path.join(path, "meta.json")):
         return path
-    return os.path.join(path, resolve_tag(path, tag))
+    return find_checkpoint(path, tag)
 
 
 def read_export_meta(folder: str, *, verify: bool = True) -> dict:

@@ -56,6 +56,7 @@ class TrainOptions:
     save_every: int | None = None
     save_final: bool = True
     resume: bool = False
+    resume_tag: str | None = None  # with `resume`: which checkpoint (None: the latest)
     seed: int = 0
     checkpoint_activations: bool | None = None  # None: on for 24 layers and more
     collective_timeout: float | None = None  # seconds a collective waits for a stalled rank
@@ -197,7 +198,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         engine = runtime.Engine(model, config, hp, seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:
-            meta = engine.load_checkpoint(ckpt_dir)
+            meta = engine.load_checkpoint(ckpt_dir, opts.resume_tag)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
         # weights, and for the trainable ones fp32 gradients, master and moments
