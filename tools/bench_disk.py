@@ -131,12 +131,18 @@ def bench_disk(directory: str, *, size: int, block_sizes: list[int], queue_depth
                threads: list[int], backends: list[str], direct: bool = True, repeats: int = 1,
                use_fio: bool = True, progress=None) -> dict:
     """Sweep the settings; returns {"results": [...], "best": ..., "by_block_size": ..., notes}."""
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise ValueError(f"--dir {directory!r} is not a writable directory; create it or name another.")
     for bs in block_sizes:
         IOConfig(block_size=bs)  # validates: a multiple of 4096
     if size < max(block_sizes):
         raise ValueError(f"--size {size} is smaller than the largest block size {max(block_sizes)}.")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"--dir {directory!r} is a file; name a directory.")
+    try:
+        os.makedirs(directory, exist_ok=True)  # a missing one is created, as for every --dir
+    except OSError as e:
+        raise ValueError(f"--dir {directory!r} cannot be created: {e.strerror}; name another.") from None
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"--dir {directory!r} is not writable; name another.")
     use_fio = use_fio and fio_available()
     path = os.path.join(directory, f"outcore-bench-{os.getpid()}.dat")
     settings = [Setting(b, direct, bs, qd, th) for b, bs, qd, th

@@ -37,8 +37,21 @@ def test_cli_writes_json_and_a_table(tmp_path, capsys):
     assert data["results"][0]["block_size"] == 256 << 10 and data["size"] == 1 << 20
 
 
+def test_a_missing_dir_is_created(tmp_path):
+    assert main(["bench-disk", "--dir", str(tmp_path / "new" / "disk"), "--size", "256K", "--block-size", "128K",
+                 "--queue-depth", "1", "--threads", "1", "--backend", "threads", "--no-fio"]) == 0
+    assert (tmp_path / "new" / "disk").is_dir()
+
+
+def test_a_dir_that_cannot_be_made_exits_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["bench-disk", "--dir", str(tmp_path / "file" / "x"), "--size", "8M"]) == 2
+    assert "cannot be created: Not a directory" in capsys.readouterr().err
+    assert main(["bench-disk", "--dir", str(tmp_path / "file"), "--size", "8M"]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["bench-disk", "--dir", "/nonexistent/x", "--size", "1M"], "not a writable directory"),
     (["bench-disk", "--dir", ".", "--size", "1M", "--block-size", "1000"], "multiple of 4096"),
     (["bench-disk", "--dir", ".", "--size", "4K", "--block-size", "1M"], "smaller than the largest block"),
 ])
