@@ -41,9 +41,16 @@ def _words(text: str) -> list[str]:
     return parse_list(text, str.strip)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (not the whole usage) and exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _OneLineParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
 
     b = sub.add_parser("bench-disk", help="read/write throughput of a directory per I/O setting")
     b.add_argument("--dir", required=True, help="directory on the disk to measure")
