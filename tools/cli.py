@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from outcore.runtime.policy import OFFLOADS
 from outcore.tools.interrupts import Interrupted, handle_signals
@@ -44,7 +45,7 @@ def _words(text: str) -> list[str]:
 class _OneLineParser(argparse.ArgumentParser):
     """A bad flag is one line (not the whole usage) and exit status 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
