@@ -5,6 +5,7 @@ the file it could not write and leaves no partial folder."""
 
 import errno
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,3 +123,27 @@ def test_a_checkpoint_that_fills_the_disk_names_the_file_and_leaves_nothing_half
     assert "rank0.safetensors" in error and "File too large" in error and "partial save was removed" in error
     assert json.loads(listing) == ["good", "latest"]  # no .bad.tmp
     assert loaded == "good"
+
+
+def test_a_run_whose_swap_writes_fail_after_the_start_still_succeeds_and_writes_its_json(tmp_path, monkeypatch):
+    """Row 9, end to end: the disk fills once training runs; every step's bytes stay in memory, the
+    run ends 0, and its --json is written."""
+    from outcore.offload import io_engine
+    from outcore.tools.cli import main
+
+    real, calls = io_engine._pwrite_full, []
+
+    def fills(fd, view, offset):  # the start's writes land; every one after them finds the disk full
+        calls.append(offset)
+        if len(calls) > 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, view, offset)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(io_engine, "_pwrite_full", fills)
+    assert main(["train", "--steps", "4", "--batch", "1", "--seq", "16", "--eval-batches", "1", "--no-save",
+                 "--offload-params", "nvme", "--offload-optimizer", "nvme", "--json", "run.json"]) == 0
+    assert len(calls) > 41  # writes did fail
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert len(summary["losses"]) == 4 and all(map(math.isfinite, summary["losses"]))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".outcore-nvme-")]
