@@ -266,6 +266,11 @@ class TieredStore(Moves, Writes, Budgets):
             rec = self._record(key)
             return rec.tier if self._zero_copy and rec.tier in (Tier.HOST, Tier.DEVICE) else None
 
+    def tier_of(self, key: str) -> Tier | None:
+        """The tier `key` rests in now (None while it moves): a hint, as `ram_tier_of` is."""
+        with self._cond:
+            return self._record(key).tier
+
     def __contains__(self, key: str) -> bool:
         with self._cond:
             return key in self._records

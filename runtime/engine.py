@@ -25,7 +25,8 @@ import enum
 import logging
 import os
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +55,7 @@ from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import UnitPlan, plan_layout, plan_units
 from outcore.runtime.update_stream import UpdateStream
+from outcore.runtime.vertical import SavedActivations, VerticalBatch, batch_loss, call_model, checkpointed
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class Engine:
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
+        self._batch: VerticalBatch | None = None  # a train_batch in flight
+        self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0}  # the last train_batch's
         self._hooks: list[Any] = []
         self._start(init_fn, seed, pretrained)
 
@@ -119,14 +123,10 @@ class Engine:
         try:
             return self.model(*args, **kwargs)
         except RuntimeError as e:
-            if "storage of size 0" not in str(e):
+            explained = self._explained(e)
+            if explained is e:
                 raise
-            raise RuntimeError(
-                "the model read a parameter whose unit was released: a unit's parameters exist only while "
-                f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
-                "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
-                "or name the block classes in Config.unit_classes, which keeps other modules in the root unit."
-            ) from e
+            raise explained from e
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit
@@ -143,6 +143,67 @@ class Engine:
         self._reshard_all()  # units that produced no gradient this time (unused) still let go
         self.gradients.end_micro_step()
         self.trace.end_step()
+
+    def train_batch(self, micro_batches: Sequence[Any],
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
+        """K micro-batches as one optimizer step, each unit gathered once in forward and once in
+        backward for all K (runtime/vertical.py [Note: vertical schedule]). Each micro-batch is a
+        tuple of forward arguments, a dict of keyword arguments or one tensor; the model returns
+        the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
+        equals K forward/backward calls and a step with `grad_accumulation=K`. Returns `step()`'s
+        stats plus "losses" (K floats)."""
+        count = len(micro_batches)
+        if count == 0:
+            raise ValueError("train_batch needs at least one micro-batch.")
+        if self.gradients.micro:
+            raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
+                             "finish it with step() first.")
+        losses: list[torch.Tensor | None] = [None] * count
+        errors: list[BaseException] = []
+        saved = SavedActivations(self.store, self.place.work_tier, self._is_parameter)
+
+        def run(index: int) -> None:
+            def work() -> None:
+                with torch.enable_grad(), saved.hooks():
+                    output = call_model(self.model, micro_batches[index])
+                    losses[index] = batch_loss(output, micro_batches[index], loss_fn)
+            try:
+                self._batch.turns.run(index, work)  # type: ignore[union-attr]
+            except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+                errors.append(e)
+
+        self._batch = VerticalBatch(count)
+        self.gradients.begin_batch(count)
+        blocks = [u.plan.module for u in self.units if u.plan.module is not self.model]
+        try:
+            with checkpointed(blocks, self.model):
+                self.phase = Phase.FORWARD
+                threads = [threading.Thread(target=run, args=(i,), name=f"outcore-micro{i}") for i in range(count)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if errors:
+                    error = errors[0]
+                    explained = self._explained(error) if isinstance(error, RuntimeError) else error
+                    raise explained from (error if explained is not error else None)
+                self.phase = Phase.BACKWARD
+                total = torch.stack([loss.reshape(()) for loss in losses if loss is not None]).sum()
+                (total * self.scaler.scale if self.scaler.enabled else total).backward()
+        except BaseException:
+            self.gradients.reset(self.units, drop_grads=True)
+            raise
+        finally:
+            self.phase = Phase.IDLE
+            self._batch = None
+            self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme}
+            saved.clear()
+            self._reshard_all()
+        self.gradients.end_micro_step()
+        self.trace.end_step()
+        stats = self.step()
+        stats["losses"] = [float(loss.detach()) for loss in losses if loss is not None]
+        return stats
 
     def step(self) -> dict[str, Any]:
         """Apply the update at the end of an accumulation window; a no-op before it."""
@@ -215,7 +276,7 @@ class Engine:
         fetches = max(1, s["fetches"])
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
                  optimizer_seconds=self.updates.seconds, units=len(self.units), step=self.global_step,
-                 trace_divergences=self.trace.divergences,
+                 trace_divergences=self.trace.divergences, activations=dict(self._activations),
                  gathered={"bytes": self._gathered_bytes(), "peak": self._gathered_peak})
         return s
 
@@ -236,15 +297,24 @@ class Engine:
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
+        batch = self._batch
+        if batch is not None and batch.turns.current is not None:
+            batch.turns.boundary()  # the next micro-batch's turn: runtime/vertical.py [Note: vertical schedule]
         self.updates.wait(unit)
         if self.phase is Phase.FORWARD:
             self._prefetch(self.trace.visit("forward", unit.index))
         self._gather(unit)
-        unit.bind_views()
+        if batch is None or unit.index not in batch.bound:
+            unit.bind_views()
+            if batch is not None:
+                batch.bound.add(unit.index)
 
     def unit_forward_end(self, unit: FlatUnit) -> None:
         # ZeRO-3: the full parameters exist only while the unit runs (or, recomputed under
-        # activation checkpointing, until its backward).
+        # activation checkpointing, until its backward); in a train_batch, until the last
+        # micro-batch has run it.
+        if self._batch is not None and self.phase is Phase.FORWARD and not self._batch.last_of("forward", unit.index):
+            return
         if self.phase is not Phase.BACKWARD and not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
 
@@ -264,7 +334,10 @@ class Engine:
 
     def unit_backward_end(self, unit: FlatUnit) -> None:
         """Backward is done with a frozen unit (its module's inputs have their gradients), or a root
-        unit ran without grad: let the full parameters go."""
+        unit ran without grad: let the full parameters go (in a train_batch, after the last
+        micro-batch's)."""
+        if self._batch is not None and not self._batch.last_of("backward", unit.index):
+            return
         if not unit.resident and unit.state is UnitState.UNSHARDED:
             unit.reshard()
 
@@ -294,6 +367,20 @@ class Engine:
         if unit.state is UnitState.SHARDED:
             unit.unshard()
         self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
+
+    def _explained(self, error: RuntimeError) -> RuntimeError:
+        if "storage of size 0" not in str(error):
+            return error
+        return RuntimeError(
+            "the model read a parameter whose unit was released: a unit's parameters exist only while "
+            f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
+            "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
+            "or name the block classes in Config.unit_classes, which keeps other modules in the root unit.")
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        """`t` is (a view of) a gathered unit's parameters: saved as it is, never paged."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units if u.state is UnitState.UNSHARDED)
 
     def _reshard_all(self) -> None:
         for u in self.units:

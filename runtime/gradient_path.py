@@ -32,6 +32,9 @@ class GradientPath:
         self.scaler, self.updates = scaler, updates
         self.device, self.work_device = device, work_device  # compute, and where updates run
         self.micro = 0  # micro-steps since the last update
+        # Backward passes per window, and micro-batches per window (the gradient's divisor): both
+        # grad_accumulation, but a train_batch of K is one backward pass over K micro-batches.
+        self.window_steps = self.micro_batches = policy.grad_accumulation
         self.with_gradient: set[int] = set()  # units given a gradient in this window
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
@@ -39,7 +42,12 @@ class GradientPath:
     @property
     def window_complete(self) -> bool:
         """The accumulation window is full: `step()` updates."""
-        return self.micro >= self.policy.grad_accumulation
+        return self.micro >= self.window_steps
+
+    def begin_batch(self, micro_batches: int) -> None:
+        """The window is one backward pass over `micro_batches` (Engine.train_batch), until `reset`."""
+        assert self.micro == 0, "a train_batch inside an accumulation window"
+        self.window_steps, self.micro_batches = 1, micro_batches
 
     def end_micro_step(self) -> None:
         self.micro += 1
@@ -48,14 +56,16 @@ class GradientPath:
         """Backward is done with `unit` (`grads`: its parameters' gradients, in slot order): reduce
         and accumulate them. Returns the gradient shard, per chunk, when it is to be handed over in
         memory (see `hand_over`), else None."""
-        world, accum = self.group.world, self.policy.grad_accumulation
+        world = self.group.world
         first = unit.index not in self.with_gradient
-        last = self.micro + 1 == accum
+        last = self.micro + 1 == self.window_steps
         # One micro-step whose update starts now, where the gradient already is: the update takes
         # it as it stands, with no copy into the store and no wait for room there.
-        hand_over = first and last and self.policy.hands_over and unit.device == self.work_device
+        hand_over = (first and last and self.policy.hands_over_window(self.window_steps)
+                     and unit.device == self.work_device)
         with torch.no_grad():
-            pieces = unit.gradient_pieces(grads, 1.0 / (world * accum * self.scaler.scale), keep=hand_over)
+            pieces = unit.gradient_pieces(grads, 1.0 / (world * self.micro_batches * self.scaler.scale),
+                                          keep=hand_over)
             del grads
             self.with_gradient.add(unit.index)
             sqnorm = 0.0
@@ -80,7 +90,7 @@ class GradientPath:
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
-        if self.micro + 1 == self.policy.grad_accumulation and self.policy.overlapped:
+        if self.micro + 1 == self.window_steps and self.policy.overlapped:
             self.updates.overlap(unit, lr, handed)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
@@ -105,6 +115,7 @@ class GradientPath:
                         if c.grad_key in self.store:
                             self.store.delete(c.grad_key)
         self.micro = 0
+        self.window_steps = self.micro_batches = self.policy.grad_accumulation
         self.updates.end_window()
         self.with_gradient.clear()
         self._sqnorm.clear()

@@ -160,5 +160,9 @@ class StatePolicy:
     def hands_over(self) -> bool:
         """An overlapped update of a single micro-step takes its gradient shard as it is, in memory,
         when that is already where the update runs (always on a CPU): no store key, no copy."""
+        return self.hands_over_window(self.grad_accumulation)
+
+    def hands_over_window(self, micro_steps: int) -> bool:
+        """`hands_over` for a window of `micro_steps` backward passes (train_batch's is one)."""
         work_on_device = self.offload_optimizer == "none"
-        return self.overlapped and self.grad_accumulation == 1 and (self.device_type == "cpu" or work_on_device)
+        return self.overlapped and micro_steps == 1 and (self.device_type == "cpu" or work_on_device)

@@ -1,0 +1,231 @@
+"""Vertical accumulation: K micro-batches as one optimizer step, each unit gathered once in forward
+and once in backward for all K (`Engine.train_batch`).
+
+[Note: vertical schedule] Plain accumulation runs micro-batch by micro-batch, so every unit's
+parameters are gathered (read from NVMe) K times in forward and K times in backward. Here the K
+forwards run unit by unit instead: unit 0 for every micro-batch, then unit 1 for every
+micro-batch, and so on. The model's own forward code is not rewritten for this: each micro-batch
+runs `model(...)` in its own thread, and the threads take turns (`Turns`), one at a time, passing
+the turn at every unit's forward pre-hook. So the code between units (embeddings, masks, rotary
+tables, the head and the loss) is the model's own, and only one thread ever computes.
+
+Backward is one call over the K losses. Autograd runs the ready node created last first, so it
+walks the units in reverse, each for every micro-batch before the next: the order of the
+forward, reversed. Each unit's parameter views are bound once for the whole batch, so autograd
+sums the K micro-batches' gradients into one call of the unit's gradient callback, which reduces
+and hands them to the update as a single micro-step would.
+
+What this keeps is each unit's inputs for each micro-batch: every unit is checkpointed (its
+forward recomputed in backward; torch's non-reentrant checkpoint), and every tensor that autograd
+saves outside the units (those inputs, and what the model's own code between units saves) that
+is at least `PAGED_BYTES` is put in the store under an `act.` key, in HOST, so that it pages to
+NVMe under the same budgets as everything else, and is fetched back (and deleted) when backward
+needs it. Parameters, and small tensors, stay where they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from outcore.offload import Tier, TieredStore
+
+PAGED_BYTES = 1 << 16  # saved tensors below this stay in memory: the keys would cost more than they save
+
+
+class Turns:
+    """K threads, one running at a time, in round-robin order: micro-batch 0, 1, ..., K-1, then 0."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._turn = 0
+        self._done = [False] * count
+        self._cond = threading.Condition()
+        self._local = threading.local()
+
+    @property
+    def current(self) -> int | None:
+        """The calling thread's micro-batch, or None outside the batch's threads."""
+        return getattr(self._local, "index", None)
+
+    def run(self, index: int, work: Callable[[], Any]) -> Any:
+        """In micro-batch `index`'s thread: wait for its first turn, run `work`, end its turns."""
+        self._local.index = index
+        self._wait(index)
+        try:
+            return work()
+        finally:
+            with self._cond:
+                self._done[index] = True
+                self._pass(index)
+
+    def boundary(self) -> None:
+        """At a unit's start: give the turn to the next micro-batch and wait for it to come back."""
+        index = self.current
+        assert index is not None
+        with self._cond:
+            self._pass(index)
+        self._wait(index)
+
+    def _pass(self, index: int) -> None:  # self._cond held
+        for step in range(1, self.count + 1):
+            nxt = (index + step) % self.count
+            if not self._done[nxt]:
+                self._turn = nxt
+                break
+        self._cond.notify_all()
+
+    def _wait(self, index: int) -> None:
+        with self._cond:
+            while self._turn != index:
+                self._cond.wait()
+
+
+class VerticalBatch:
+    """One train_batch in flight: whose turn it is, and what the hooks count per unit."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.turns = Turns(count)
+        self.bound: set[int] = set()  # units whose views serve every micro-batch of this batch
+        self._ends: dict[tuple[str, int], int] = {}
+
+    def last_of(self, moment: str, unit: int) -> bool:
+        """Count one micro-batch past `moment` of `unit`; True on the K-th (the unit may then go)."""
+        key = (moment, unit)
+        self._ends[key] = self._ends.get(key, 0) + 1
+        return self._ends[key] >= self.count
+
+
+class SavedActivations:
+    """Tensors autograd saves outside the units, paged through the store (see the module docstring)."""
+
+    def __init__(self, store: TieredStore, work_tier: Tier, is_parameter: Callable[[torch.Tensor], bool]) -> None:
+        self.store, self.work_tier, self.is_parameter = store, work_tier, is_parameter
+        self._serial = 0
+        self._lock = threading.Lock()
+        self.live: set[str] = set()
+        self.bytes_put = 0  # what was paged out, and of it what came back from NVMe
+        self.bytes_from_nvme = 0
+
+    def hooks(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.nbytes < PAGED_BYTES or self.is_parameter(t) or t.layout is not torch.strided:
+            return t
+        with self._lock:
+            self._serial += 1
+            key = f"act.{self._serial}"
+            self.live.add(key)
+            self.bytes_put += t.nbytes
+        self.store.put(key, t.detach(), Tier.HOST)
+        return _Paged(key, t.device, t.nbytes)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Paged):
+            return packed
+        if self.store.tier_of(packed.key) == Tier.NVME:
+            with self._lock:
+                self.bytes_from_nvme += packed.nbytes
+        stored = self.store.fetch(packed.key, self.work_tier).result()
+        try:
+            t = stored.to(packed.device, copy=True)
+        finally:
+            self.store.release(packed.key)
+        self._drop(packed.key)
+        return t
+
+    def _drop(self, key: str) -> None:
+        with self._lock:
+            if key not in self.live:
+                return
+            self.live.discard(key)
+        self.store.delete(key)
+
+    def clear(self) -> None:
+        """Delete what a failed or abandoned batch left behind."""
+        for key in list(self.live):
+            if key in self.store:
+                self._drop(key)
+        self.live.clear()
+
+
+class _Paged:
+    __slots__ = ("key", "device", "nbytes")
+
+    def __init__(self, key: str, device: torch.device, nbytes: int) -> None:
+        self.key, self.device, self.nbytes = key, device, nbytes
+
+
+@contextlib.contextmanager
+def checkpointed(modules: Sequence[nn.Module], model: nn.Module) -> Iterator[None]:
+    """Every module in `modules` recomputes its forward in backward (torch's non-reentrant
+    checkpoint) while inside; a model's own checkpointing of the same modules (Hugging Face's
+    gradient checkpointing, outcore's GPT `checkpoint_activations`) is turned off meanwhile, so
+    nothing is recomputed twice."""
+    own = _own_checkpointing(model)
+    patched = []
+    try:
+        for module in modules:
+            if "forward" in module.__dict__:
+                raise ValueError(f"{type(module).__name__}: its forward is an instance attribute; train_batch "
+                                 "checkpoints each unit by wrapping it and cannot wrap this one.")
+            module.forward = functools.partial(_recomputed, module.forward)
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+        for target, name, value in own:
+            setattr(target, name, value)
+
+
+def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _own_checkpointing(model: nn.Module) -> list[tuple[Any, str, Any]]:
+    """Switch off the model's own activation checkpointing, and a Hugging Face model's key/value
+    cache (a recomputed layer would append to it twice, as HF's own checkpointing also knows);
+    returns what to restore."""
+    restore: list[tuple[Any, str, Any]] = []
+    for m in model.modules():
+        for name in ("gradient_checkpointing", "checkpoint_activations", "checkpointing"):
+            if getattr(m, name, None) is True:
+                restore.append((m, name, True))
+                setattr(m, name, False)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        restore.append((config, "use_cache", True))
+        config.use_cache = False  # type: ignore[union-attr]
+    return restore
+
+
+def batch_loss(output: Any, micro_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
+    """The micro-batch's loss: `loss_fn(output, micro_batch)`, else the output itself (a tensor, or an
+    object with a `.loss`, as Hugging Face models return)."""
+    loss = loss_fn(output, micro_batch) if loss_fn is not None else getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("train_batch: the model's output is not a scalar loss; pass loss_fn(output, micro_batch) "
+                         "that returns one.")
+    return loss
+
+
+def call_model(model: nn.Module, micro_batch: Any) -> Any:
+    """A micro-batch as forward arguments: a dict of keyword arguments, a tuple of positional ones,
+    or one tensor."""
+    if isinstance(micro_batch, dict):
+        return model(**micro_batch)
+    if isinstance(micro_batch, (tuple, list)):
+        return model(*micro_batch)
+    return model(micro_batch)

@@ -1,0 +1,142 @@
+"""`Engine.train_batch`: K micro-batches as one optimizer step, each unit gathered once in forward
+and once in backward for all K, equal to K backward() calls with grad_accumulation=K."""
+
+import pytest
+import torch
+from helpers import assert_losses_match
+from hf_models import deferred, save_model, token_batches
+from models import TinyGPT, batches
+
+import outcore
+from outcore.runtime import vertical
+
+K = 4
+
+
+def gpt_engine(tmp_path, name, accum, *, stage=3, params="nvme", optim="nvme", clip=None, **kw):
+    torch.manual_seed(0)
+    cfg = outcore.Config(stage=stage, offload_params=params if stage == 3 else "none", offload_optimizer=optim,
+                         nvme_dir=str(tmp_path / name), grad_accumulation=accum, grad_clip=clip,
+                         sub_group_size=4096, **kw)
+    return outcore.Engine(TinyGPT(d=64, vocab=128, tied=False), cfg, outcore.AdamW(lr=1e-2))
+
+
+def accumulate(engine, data):
+    """The reference: K forward/backward calls and a step per window."""
+    losses = []
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_same_weights(a, b, tol=1e-5):
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    for k, v in sa.items():
+        torch.testing.assert_close(sb[k], v, rtol=tol, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("stage, params, optim, clip", [(3, "nvme", "nvme", None), (3, "nvme", "nvme", 1.0),
+                                                        (2, "none", "nvme", None), (3, "cpu", "cpu", 1.0)])
+def test_train_batch_equals_accumulation_on_a_gpt(tmp_path, stage, params, optim, clip):
+    data = batches(3 * K, batch=2, vocab=128)
+    ref = gpt_engine(tmp_path, "ref", K, stage=stage, params=params, optim=optim, clip=clip)
+    ref_losses = accumulate(ref, data)
+    ours = gpt_engine(tmp_path, "ours", 1, stage=stage, params=params, optim=optim, clip=clip)
+    losses = []
+    for s in range(3):
+        stats = ours.train_batch(data[s * K:(s + 1) * K])
+        assert not stats["accumulating"] and len(stats["losses"]) == K
+        losses += stats["losses"]
+    assert_losses_match(losses, ref_losses, rel=1e-5)
+    assert_same_weights(ref, ours)
+    assert ours.global_step == ref.global_step == 3
+    assert not [k for k in ours.store.keys() if k.startswith("act.")]
+    ref.close()
+    ours.close()
+
+
+def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path):
+    directory = save_model("llama", str(tmp_path / "llama"))
+    data = token_batches(2 * K, batch=2, seq=12)
+
+    def engine(name, accum):
+        cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / name),
+                             grad_accumulation=accum, grad_clip=None)
+        return outcore.Engine(deferred(directory), cfg, outcore.AdamW(lr=1e-3), weights=directory)
+
+    ref = engine("ref", K)
+    ref_losses = []
+    for ids in data:
+        out = ref(input_ids=ids, labels=ids)
+        ref.backward(out.loss)
+        ref.step()
+        ref_losses.append(float(out.loss.detach()))
+    ours = engine("ours", 1)
+    losses = []
+    for s in range(2):
+        losses += ours.train_batch([{"input_ids": ids, "labels": ids} for ids in data[s * K:(s + 1) * K]])["losses"]
+    assert_losses_match(losses, ref_losses, rel=1e-5)
+    assert_same_weights(ref, ours)
+    ref.close()
+    ours.close()
+
+
+def read_per_step(engine, run) -> int:
+    engine.synchronize()
+    before = engine.stats()["bytes_read"]
+    run()
+    engine.synchronize()
+    return engine.stats()["bytes_read"] - before
+
+
+def test_parameters_are_read_once_per_optimizer_step(tmp_path, monkeypatch):
+    """Budgets too small for the parameters: every gather reads NVMe. K=4 through train_batch reads
+    what one micro-batch's step reads, plus the activation keys that came back from NVMe; K=4
+    micro-steps read the parameters K times over."""
+    monkeypatch.setattr(vertical, "PAGED_BYTES", 1 << 12)  # page the small test's activations too
+    budgets = {"host_budget": 600_000, "device_budget": 500_000}
+    data = batches(2 * K, batch=2, vocab=128)
+    one = gpt_engine(tmp_path, "one", 1, **budgets)
+    micro = gpt_engine(tmp_path, "micro", K, **budgets)
+    ours = gpt_engine(tmp_path, "ours", 1, **budgets)
+    # the first step records the unit order (prefetch) and grows the swap file
+    accumulate(one, data[:1])
+    accumulate(micro, data[:K])
+    ours.train_batch(data[:K])
+    read_one = read_per_step(one, lambda: accumulate(one, data[K:K + 1]))
+    read_micro = read_per_step(micro, lambda: accumulate(micro, data[K:]))
+    read_ours = read_per_step(ours, lambda: ours.train_batch(data[K:]))
+    acts = ours.stats()["activations"]
+    assert acts["bytes_paged"] > 0
+    assert read_ours == read_one + acts["bytes_from_nvme"]
+    param_bytes = sum(u.layout.padded * 4 for u in ours.units)
+    assert read_one >= 2 * param_bytes  # a step gathers every unit in forward and again in backward
+    assert read_micro > 3 * read_one  # K of those (less what stays cached between micro-batches)
+    for e in (one, micro, ours):
+        e.close()
+
+
+def test_a_unit_that_cannot_be_wrapped_is_named_and_nothing_changes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[0].forward = model[0].forward  # an instance attribute, as some wrappers leave
+    engine = outcore.Engine(model, outcore.Config(stage=3, unit_classes=("Linear",)))
+    with pytest.raises(ValueError, match="Linear: its forward is an instance attribute"):
+        engine.train_batch([(torch.randn(2, 8),)], loss_fn=lambda out, _: out.mean())
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
+    engine.close()
+
+
+def test_losses_come_from_loss_fn_or_the_output(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    engine = outcore.Engine(model, outcore.Config(stage=3, unit_classes=("Linear",)))
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="not a scalar loss"):
+        engine.train_batch([x])
+    stats = engine.train_batch([x, x], loss_fn=lambda out, mb: (out - mb.sum()).square().mean())
+    assert len(stats["losses"]) == 2 and stats["losses"][0] == stats["losses"][1]
+    with pytest.raises(ValueError, match="at least one"):
+        engine.train_batch([])
+    engine.close()
