@@ -96,6 +96,12 @@ class Config:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Config:
         """Read a .json, .yaml/.yml or .toml file holding the fields of `Config`."""
+        return cls.from_dict(cls.file_values(path))
+
+    @staticmethod
+    def file_values(path: str | os.PathLike) -> dict[str, Any]:
+        """The settings a config file holds, parsed but not yet checked together (a caller may add
+        to them first, as `outcore train` adds a scratch nvme_dir)."""
         path = os.fspath(path)
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".json", ".yaml", ".yml", ".toml"):
@@ -122,7 +128,7 @@ class Config:
             raise
         if not isinstance(data, dict):
             raise ValueError(f"config {path!r} must hold a mapping of settings.")
-        return cls.from_dict(data)
+        return data
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -106,7 +106,8 @@ class Engine:
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._batch: VerticalBatch | None = None  # a train_batch in flight
-        self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0}  # the last train_batch's
+        self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
+        self._kept_said = False
         self._hooks: list[Any] = []
         self._start(init_fn, seed, pretrained)
 
@@ -160,7 +161,8 @@ class Engine:
                              "finish it with step() first.")
         losses: list[torch.Tensor | None] = [None] * count
         errors: list[BaseException] = []
-        saved = SavedActivations(self.store, self.place.work_tier, self._is_parameter)
+        saved = SavedActivations(self.store, self.place.work_tier, self._is_parameter,
+                                 host_budget=self.store.stats()["host"]["budget"], on_kept=self._activations_kept)
 
         def run(index: int) -> None:
             def work() -> None:
@@ -196,7 +198,8 @@ class Engine:
         finally:
             self.phase = Phase.IDLE
             self._batch = None
-            self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme}
+            self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme,
+                                 "bytes_kept": saved.bytes_kept}
             saved.clear()
             self._reshard_all()
         self.gradients.end_micro_step()
@@ -376,6 +379,13 @@ class Engine:
             f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
             "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
             "or name the block classes in Config.unit_classes, which keeps other modules in the root unit.")
+
+    def _activations_kept(self, nbytes: int) -> None:
+        if not self._kept_said:
+            self._kept_said = True
+            log.warning("train_batch: a saved activation of %s bytes is more than a quarter of the HOST budget (%s "
+                        "bytes), so such tensors stay in memory outside the budgets instead of paging; set "
+                        "host_budget to page them", f"{nbytes:,}", f"{self.store.stats()['host']['budget']:,}")
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
         """`t` is (a view of) a gathered unit's parameters: saved as it is, never paged."""

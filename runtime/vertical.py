@@ -107,19 +107,29 @@ class VerticalBatch:
 class SavedActivations:
     """Tensors autograd saves outside the units, paged through the store (see the module docstring)."""
 
-    def __init__(self, store: TieredStore, work_tier: Tier, is_parameter: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, store: TieredStore, work_tier: Tier, is_parameter: Callable[[torch.Tensor], bool], *,
+                 host_budget: int, on_kept: Callable[[int], None]) -> None:
         self.store, self.work_tier, self.is_parameter = store, work_tier, is_parameter
+        # A key may take a quarter of HOST, so that room for it can always be made by paging older
+        # ones out; a larger tensor stays in memory, outside the budgets, and `on_kept` says so.
+        self.largest = host_budget // 4
+        self.on_kept = on_kept
         self._serial = 0
         self._lock = threading.Lock()
         self.live: set[str] = set()
         self.bytes_put = 0  # what was paged out, and of it what came back from NVMe
         self.bytes_from_nvme = 0
+        self.bytes_kept = 0  # too large for the HOST budget: kept in memory
 
     def hooks(self) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.nbytes < PAGED_BYTES or self.is_parameter(t) or t.layout is not torch.strided:
+            return t
+        if t.nbytes > self.largest:
+            self.bytes_kept += t.nbytes
+            self.on_kept(t.nbytes)
             return t
         with self._lock:
             self._serial += 1

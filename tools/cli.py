@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
     t.add_argument("--batch", type=positive_int, default=8, help="sequences per micro-batch (default 8)")
     t.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
+    t.add_argument("--accumulate", type=positive_int, metavar="K",
+                   help="K micro-batches per optimizer step, each unit read once for all K (Engine.train_batch)")
     t.add_argument("--lr", type=positive_float, help="peak learning rate (default by preset)")
     t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="global norm clip; 0 turns it off (default 1.0)")
@@ -119,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where compute runs; cpu: DEVICE is RAM too, and the whole prefetch window is on it")
     e.add_argument("--sub-group-size", type=parse_count, default=1 << 22, help="elements per optimizer chunk")
     e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
+    e.add_argument("--accumulate", type=positive_int, metavar="K", help="also size the activation keys a "
+                   "train_batch of K micro-batches keeps (needs --batch and --seq, and a GPT shape or model directory)")
+    e.add_argument("--batch", type=positive_int, default=1, help="with --accumulate: sequences per micro-batch")
+    e.add_argument("--seq", type=positive_int, help="with --accumulate: context length (default: the model's)")
     e.add_argument("--json", metavar="PATH")
     e.set_defaults(run=_estimate)
 
@@ -239,7 +245,7 @@ def _train(args: argparse.Namespace) -> int:
                         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
                         save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
                         checkpoint_activations=args.checkpoint_activations, seed=args.seed,
-                        collective_timeout=args.timeout)
+                        collective_timeout=args.timeout, accumulate=args.accumulate)
     try:
         summary = train(opts, report=lambda line: print(line, flush=True))
     except ValueError as e:
@@ -249,27 +255,39 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from outcore.tools.estimate import estimate_table, legal_settings
+    from outcore.tools.estimate import estimate_table, legal_settings, train_batch_activations
     from outcore.tools.hf_source import HFModel
     from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_layout, unit_numels
     from outcore.tools.report import table, write_json
 
     layout: dict = {}
+    dims: tuple[int, int, int, int] | None = None  # layers, d_model, vocab, context: for --accumulate
     try:
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
+            dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)
             what = (f"a GPT of {sum(units) / 1e9:.2f}B parameters ({shape.layers} layers, d_model {shape.d_model}, "
                     f"vocab {shape.vocab})")
         elif args.lora is not None:
             if not os.path.isdir(args.model):
                 raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
-            units, layout = unit_layout(HFModel(args.model, args.lora).build())
+            hf = HFModel(args.model, args.lora)
+            units, layout = unit_layout(hf.build())
+            dims = _hf_dims(hf.config())
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
             what = (f"{args.model} + LoRA r={args.lora} ({sum(units) / 1e9:.3f}B parameters, "
                     f"{trained / 1e6:.2f}M trained)")
         else:
-            units = unit_numels(resolve_model(args.model))
+            source = resolve_model(args.model)
+            units = unit_numels(source)
+            if source.gpt is not None:
+                dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
+            elif os.path.isdir(args.model):
+                dims = _hf_dims(HFModel(args.model).config())
             what = f"{args.model} ({sum(units) / 1e9:.3f}B parameters)"
+        if args.accumulate and dims is None:
+            raise ValueError(f"--accumulate: the activations of {args.model!r} cannot be sized from here; give a "
+                             "preset, --params or a model directory.")
     except ValueError as e:
         raise UsageError(str(e)) from None
     settings = legal_settings(args.stage, args.offload_params, args.offload_optimizer)
@@ -287,9 +305,24 @@ def _estimate(args: argparse.Namespace) -> int:
           "optimizer pipeline);")
     print("activations are the model's and not counted. On a CPU-only machine device and host are both RAM.")
     print("'min' is the smallest budget the engine accepts; between min and the estimate it evicts more.")
+    activations = None
+    if args.accumulate and dims is not None:
+        layers, d_model, vocab, context = dims
+        seq = args.seq or context
+        activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch, seq=seq,
+                                              micro_batches=args.accumulate, dtype=args.dtype)
+        print(f"train_batch of {args.accumulate} micro-batches of {args.batch} x {seq}: "
+              f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
+              "within the budgets above")
     write_json(args.json, {"model": what, "dtype": args.dtype, "world_size": args.world_size, "units": units,
-                           "rows": rows})
+                           "rows": rows, "train_batch_activation_bytes": activations})
     return EXIT_OK
+
+
+def _hf_dims(config) -> tuple[int, int, int, int]:
+    """A Hugging Face config's layers, width, vocabulary and context length."""
+    return (config.num_hidden_layers, config.hidden_size, config.vocab_size,
+            getattr(config, "max_position_embeddings", 2048))
 
 
 def _export(args: argparse.Namespace) -> int:

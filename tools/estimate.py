@@ -8,7 +8,7 @@ device), a GPT of about that size for `--params`.
 from __future__ import annotations
 
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory, unit_shapes
-from outcore.runtime.policy import OFFLOADS, StatePolicy
+from outcore.runtime.policy import DTYPES, OFFLOADS, StatePolicy
 
 
 def legal_settings(stage: int | None = None, offload_params: str | None = None,
@@ -39,6 +39,17 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
                          prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
                          clipping=grad_clip is not None, grad_accumulation=grad_accumulation)
     return plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules), policy)
+
+
+def train_batch_activations(*, layers: int, d_model: int, vocab: int, batch: int, seq: int, micro_batches: int,
+                            dtype: str = "bf16") -> int:
+    """Bytes of activation keys a `train_batch` of `micro_batches` keeps per rank (runtime/vertical.py):
+    for every micro-batch, each block's input, and what a GPT's code outside the blocks saves for
+    backward: the final norm's and the head's inputs, and the logits with their log-softmax (fp32,
+    as the loss computes them). They page through HOST and NVMe."""
+    elem = DTYPES[dtype][1]
+    per_micro = batch * seq * ((layers + 2) * d_model * elem + 2 * vocab * 4)
+    return micro_batches * per_micro
 
 
 def estimate_table(unit_numels: list[int], settings: list[tuple[int, str, str]], **kw) -> list[dict]:

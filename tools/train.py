@@ -23,7 +23,7 @@ from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested
 from outcore.tools.report import peak_rss
-from outcore.tools.train_job import Data, Job, hf_job, preset_job
+from outcore.tools.train_job import Data, Job, hf_job, job_loss, preset_job
 from outcore.tools.units import human_bytes
 
 log = logging.getLogger("outcore.train")
@@ -60,6 +60,7 @@ class TrainOptions:
     seed: int = 0
     checkpoint_activations: bool | None = None  # None: on for 24 layers and more
     collective_timeout: float | None = None  # seconds a collective waits for a stalled rank
+    accumulate: int | None = None  # micro-batches per step through Engine.train_batch
     overrides: dict = field(default_factory=dict)
 
 
@@ -99,7 +100,7 @@ def build_config(opts: TrainOptions, units: list[int],
     """The run's Config: the file's, overridden by flags, the rest chosen for this machine. Also
     returns what was chosen (to print) and the NVMe folder created for the run, if any."""
     notes = []
-    values = runtime.Config.from_file(opts.config).to_dict() if opts.config else {}
+    values = runtime.Config.file_values(opts.config) if opts.config else {}
     values.update({k: v for k, v in {
         "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "host_budget": opts.host_budget,
         "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
@@ -145,7 +146,7 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, device: torch.device) -> float:
     """Mean loss on fixed held-out batches (the same ones at every evaluation)."""
     with torch.no_grad():
-        losses = [float(job.loss(engine, held_out.at(i), device)) for i in range(batches)]
+        losses = [float(job_loss(engine, job, held_out.at(i), device)) for i in range(batches)]
     return sum(losses) / len(losses)
 
 
@@ -168,6 +169,11 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     job = (hf_job(opts.model, lora=opts.lora, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
+    if opts.accumulate and config.grad_accumulation != 1:
+        if owned_nvme is not None:
+            owned_nvme.remove()
+        raise ValueError(f"--accumulate {opts.accumulate} runs its micro-batches through one train_batch; the "
+                         f"config's grad_accumulation={config.grad_accumulation} must then be 1.")
     steps = opts.steps or job.steps
     # AdamW: the job's defaults, then the config's optimizer section, then --lr (the schedule's peak)
     hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
@@ -211,17 +217,22 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         history, val_history = [], []
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
-        accum = config.grad_accumulation
+        accum = opts.accumulate or config.grad_accumulation
         with step_boundaries(), progress(steps - start, "train") as bar:
             for step in range(start, steps):
                 engine.lr = lr_at(step, steps, peak_lr)
                 t0 = time.perf_counter()
                 loss_sum = 0.0
-                for micro in range(accum):
-                    loss = job.loss(engine, job.train.at(step * accum + micro), device)
-                    engine.backward(loss)
-                    loss_sum += float(loss.detach())
-                result = engine.step()
+                if opts.accumulate:  # one train_batch: each unit read once for all the micro-batches
+                    result = engine.train_batch([job.inputs(job.train.at(step * accum + micro), device)
+                                                 for micro in range(accum)])
+                    loss_sum = sum(result["losses"])
+                else:
+                    for micro in range(accum):
+                        loss = job_loss(engine, job, job.train.at(step * accum + micro), device)
+                        engine.backward(loss)
+                        loss_sum += float(loss.detach())
+                    result = engine.step()
                 evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
                 saving = save_every > 0 and (step + 1) % save_every == 0 and step + 1 != steps
                 if evaluating or saving:

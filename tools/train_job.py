@@ -49,10 +49,17 @@ class Job:
     unit_numels: list[int]  # for choosing the offload setting before anything is built
     train: Data
     held_out: Data
-    loss: Callable[[Any, Any, torch.device], torch.Tensor]  # (engine, batch, device) -> loss
+    inputs: Callable[[Any, torch.device], Any]  # (batch, device) -> the forward's args (tuple) or kwargs (dict)
     export: Callable[[Any, str], str] | None  # (engine, run dir) -> what it wrote
     tokens: str  # what a token is, for the report
     checkpoint_activations: bool  # the default
+
+
+def job_loss(engine: Any, job: Job, batch: Any, device: torch.device) -> torch.Tensor:
+    """The model's loss on one batch (a Hugging Face output carries it as `.loss`)."""
+    args = job.inputs(batch, device)
+    output = engine(**args) if isinstance(args, dict) else engine(*args)
+    return getattr(output, "loss", output)
 
 
 def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, seed: int) -> Job:
@@ -64,9 +71,9 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
         raise ValueError(f"preset {preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
     train_set, held_out = file_corpus(data) if data else stdlib_corpus()
 
-    def loss(engine, xy, device):
+    def inputs(xy, device):
         x, y = xy
-        return engine(x.to(device), y.to(device))
+        return x.to(device), y.to(device)
 
     def build() -> nn.Module:
         with deferred_init():
@@ -74,7 +81,7 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
 
     return Job(preset, gpt.params, gpt.params, gpt.seq, DEFAULT_STEPS.get(preset, 1000),
                LEARNING_RATES.get(preset, 3e-4), build, {"init_fn": source.init_fn}, unit_numels(source),
-               Data(train_set, batch, gpt.seq, seed, "train"), Data(held_out, batch, gpt.seq, seed, "val"), loss,
+               Data(train_set, batch, gpt.seq, seed, "train"), Data(held_out, batch, gpt.seq, seed, "val"), inputs,
                None, f"bytes of {train_set.name}", gpt.layers >= 24)
 
 
@@ -93,9 +100,9 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     params = sum(s.numel for p in plans for s in p.slots)
     trainable = sum(s.numel for p in plans for s in p.slots if not s.frozen)
 
-    def loss(engine, ids, device):
+    def inputs(ids, device):
         ids = ids.to(device)
-        return engine(input_ids=ids, labels=ids).loss
+        return {"input_ids": ids, "labels": ids}
 
     def export(engine, out: str) -> str:
         path = os.path.join(out, "adapters" if lora else "model")
@@ -112,5 +119,5 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     name = os.path.basename(os.path.normpath(directory)) + (f" + LoRA r={lora}" if lora else "")
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
-               Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), loss, export,
+               Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
                f"tokens of {train_set.name}", True)  # activations are most of a fine-tune's memory

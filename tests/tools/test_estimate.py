@@ -1,11 +1,14 @@
 """`outcore estimate` against the bytes a real engine reports on a small GPT."""
 
+import json
+
 import pytest
 import torch
 
 import outcore
 from outcore.offload import Tier
 from outcore.offload.io_config import round_up
+from outcore.tools.cli import main
 from outcore.tools.estimate import estimate, legal_settings
 from outcore.tools.model_source import resolve_model, unit_numels
 
@@ -75,3 +78,29 @@ def test_fp32_masters_are_the_parameter_shards_unless_a_gpu_keeps_its_parameters
     # [m|v] in HOST where the update may fetch the parameters; [master|m|v] where they stay on a GPU
     # or are not fp32.
     assert per_param == {("cpu", "fp32"): 8, ("cuda", "fp32"): 12, ("cpu", "bf16"): 12}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_train_batch_activations_match_what_the_engine_pages(dtype):
+    """`estimate --accumulate` against the bytes a real train_batch of the tiny preset pages."""
+    from outcore.runtime.materialize import deferred_init
+    from outcore.tools.estimate import train_batch_activations
+
+    source = resolve_model("tiny")
+    with deferred_init():
+        model = source.build()
+    engine = outcore.Engine(model, outcore.Config(stage=3, dtype=dtype, host_budget=64 << 20), init_fn=source.init_fn)
+    g = torch.Generator().manual_seed(0)
+    engine.train_batch([tuple(torch.randint(0, 256, (2, 128), generator=g) for _ in range(2)) for _ in range(4)])
+    paged = engine.stats()["activations"]["bytes_paged"]
+    engine.close()
+    gpt = source.gpt
+    assert paged == train_batch_activations(layers=gpt.layers, d_model=gpt.d_model, vocab=gpt.vocab, batch=2,
+                                            seq=128, micro_batches=4, dtype=dtype)
+
+
+def test_estimate_accumulate_prints_and_writes_the_activation_keys(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    assert main(["estimate", "--model", "tiny", "--accumulate", "4", "--batch", "2", "--json", str(out)]) == 0
+    assert "train_batch of 4 micro-batches of 2 x 128" in capsys.readouterr().out
+    assert json.loads(out.read_text())["train_batch_activation_bytes"] == 4 * 2 * 128 * (6 * 128 * 2 + 2 * 256 * 4)

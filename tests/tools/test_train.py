@@ -85,3 +85,20 @@ def test_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, mess
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_accumulate_runs_train_batch_with_the_losses_of_grad_accumulation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "accum.json").write_text(json.dumps({"grad_accumulation": 4, "dtype": "fp32", "grad_clip": None,
+                                                      "offload_params": "nvme", "offload_optimizer": "nvme"}))
+    (tmp_path / "one.json").write_text(json.dumps({"dtype": "fp32", "grad_clip": None, "offload_params": "nvme",
+                                                    "offload_optimizer": "nvme"}))
+    common = dict(steps=3, batch=2, seq=32, eval_every=100, eval_batches=1, save_final=False)
+    ref = train(TrainOptions(config="accum.json", **common), report=lambda _: None)
+    ours = train(TrainOptions(config="one.json", accumulate=4, **common), report=lambda _: None)
+    assert len(ours["losses"]) == 3
+    for a, b in zip(ours["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    with pytest.raises(ValueError, match="grad_accumulation=4 must then be 1"):
+        train(TrainOptions(config="accum.json", accumulate=2, **common), report=lambda _: None)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]
