@@ -2,12 +2,13 @@
 
     python -m outcore.tools.bench_engine optimizer [--params 100M] [--repeats 5]
     python -m outcore.tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
-                                      [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip]
+                                      [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip] [--accumulate K]
                                       [--budget 256M] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
-no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe). Ratios are
-against the first kind listed.
+no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe), and
+`nvme-vertical` (as nvme-noclip, each step one `train_batch` of `--accumulate` micro-batches).
+Ratios are against the first kind listed.
 
 Every configuration runs in its own process, so that its peak RSS is its own; configurations are
 interleaved (plain, ours, plain, ours, ...) and medians reported, because this machine is shared.
@@ -81,30 +82,34 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
 
 def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
              dtype: str = "fp32", checksum: bool = True, host_budget: int | None = None,
-             checkpoint: bool = False) -> dict:
-    """Median seconds of a training step of the preset GPT, plain or through the engine."""
+             checkpoint: bool = False, accumulate: int = 1) -> dict:
+    """Median seconds of a training step of the preset GPT, plain or through the engine. A step is
+    `accumulate` micro-batches: backward after each and one update (`nvme-vertical`: one
+    `train_batch` of them, parameters and optimizer states on NVMe, no clipping)."""
     from outcore import runtime
     from outcore.tools.gpt import GPT, PRESETS
 
     cfg = PRESETS[preset]
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(steps + 1)]
+    data = [[torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(accumulate)]
+            for _ in range(steps + 1)]
     times, io = [], None
     usage = []  # (user s, system s, minor faults) of the whole process after each step
     if kind == "plain":
         model = GPT(cfg, checkpoint_activations=checkpoint)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        for tokens in data:
+        for micro_batches in data:
             t0 = time.perf_counter()
-            loss = model(tokens[:, :-1], tokens[:, 1:])
             opt.zero_grad()
-            loss.backward()
+            for tokens in micro_batches:
+                (model(tokens[:, :-1], tokens[:, 1:]) / accumulate).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
             usage.append(_usage())
     else:
         clip = 1.0 if kind == "nvme-clip" else None
+        vertical = kind == "nvme-vertical"
         offload = "none" if kind == "ram" else "nvme"
         with runtime.deferred_init():
             model = GPT(cfg, checkpoint_activations=checkpoint)
@@ -115,6 +120,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             # the rest through NVMe.
             conf = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload, nvme_dir=d,
                                   grad_clip=clip, prefetch_depth=2, dtype=dtype,
+                                  grad_accumulation=1 if vertical else accumulate,
                                   device_budget=budget if offload == "nvme" else None,
                                   host_budget=(host_budget or budget) if offload == "nvme" else None,
                                   sub_group_size=1 << 21,
@@ -122,14 +128,16 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
             before = None
             starts = []
-            for i, tokens in enumerate(data):
+            for i, micro_batches in enumerate(data):
                 if i == 1:  # the warm-up step's updates landed: the counts below are steps 1.. only
                     engine.synchronize()
                     before, usage[0] = engine.stats(), _usage()
                 starts.append(time.perf_counter())
-                loss = engine(tokens[:, :-1], tokens[:, 1:])
-                engine.backward(loss)
-                engine.step()
+                if vertical:
+                    engine.train_batch([(t[:, :-1], t[:, 1:]) for t in micro_batches])
+                for tokens in micro_batches if not vertical else []:
+                    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+                    engine.step()
                 if i == len(data) - 1:
                     engine.synchronize()  # the last step's updates, which the next forward would wait for
                 usage.append(_usage())
@@ -150,7 +158,8 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
     # steady state with plain PyTorch's slower first steps.
     cpu = {f"{name}_per_step": statistics.median(b[i] - a[i] for a, b in itertools.pairwise(usage))
            for i, name in enumerate(("user_s", "sys_s", "minflt"))}
-    out = {"kind": kind, "preset": preset, "dtype": dtype, "step_s": step, "all_steps_s": times,
+    out = {"kind": kind, "preset": preset, "dtype": dtype, "accumulate": accumulate, "step_s": step,
+           "all_steps_s": times,
            "peak_rss": peak_rss(), **cpu}
     if io:
         out.update(io, wait_fraction=io["unit_wait_s_per_step"] / step)
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (every kind)")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     s.add_argument("--kinds", default="plain,nvme-noclip,nvme-clip", help="what to run; ratios are to the first")
+    s.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (nvme-vertical: one train_batch)")
     s.add_argument("--no-checksum", action="store_true", help="NVMe runs skip crc32 (IOConfig(checksum=False))")
     s.add_argument("--no-fio", action="store_true", help="skip the disk reference (fio) run after each round")
     for q in (o, s):
@@ -238,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.makedirs(args.dir, exist_ok=True)
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        unknown = set(kinds) - {"plain", "ram", "nvme-noclip", "nvme-clip"}
+        unknown = set(kinds) - {"plain", "ram", "nvme-noclip", "nvme-clip", "nvme-vertical"}
         if unknown or ("plain" in kinds and args.dtype != "fp32"):
-            p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip")
+            p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip, nvme-vertical")
         for _ in range(args.rounds):
             for kind in kinds:
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
@@ -248,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "nvme_root": os.path.abspath(args.dir),
                                                    "budget": args.budget, "host_budget": args.host_budget,
                                                    "checkpoint": args.checkpoint, "dtype": args.dtype,
-                                                   "checksum": not args.no_checksum})]))
+                                                   "checksum": not args.no_checksum,
+                                                   "accumulate": args.accumulate})]))
             if not args.no_fio and fio_available() and any(k.startswith("nvme") for k in kinds):
                 reference = _disk_reference(args.dir)
                 if reference is not None:
@@ -257,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         disk = [r for r in results if r["kind"] == "fio-mixed"]
         budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
         ckpt = ", activation checkpointing" if args.checkpoint else ""
-        print(f"{args.preset}, batch {args.batch}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "
+        accum = f", {args.accumulate} micro-batches per step" if args.accumulate > 1 else ""
+        print(f"{args.preset}, batch {args.batch}{accum}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "
               f"median step of {args.steps} after a warm-up step, ratios to {kinds[0]}:")
         for kind in kinds:
             rs = [r for r in results if r["kind"] == kind]
