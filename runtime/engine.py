@@ -25,7 +25,6 @@ import enum
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -159,38 +158,29 @@ class Engine:
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
                              "finish it with step() first.")
-        losses: list[torch.Tensor | None] = [None] * count
-        errors: list[BaseException] = []
         saved = SavedActivations(self.store, self.place.work_tier, self._is_parameter,
                                  host_budget=self.store.stats()["host"]["budget"], on_kept=self._activations_kept)
 
-        def run(index: int) -> None:
-            def work() -> None:
-                with torch.enable_grad(), saved.hooks():
-                    output = call_model(self.model, micro_batches[index])
-                    losses[index] = batch_loss(output, micro_batches[index], loss_fn)
-            try:
-                self._batch.turns.run(index, work)  # type: ignore[union-attr]
-            except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
-                errors.append(e)
+        def forward(index: int) -> torch.Tensor:
+            output = call_model(self.model, micro_batches[index])
+            return batch_loss(output, micro_batches[index], loss_fn)
 
         self._batch = VerticalBatch(count)
         self.gradients.begin_batch(count)
         blocks = [u.plan.module for u in self.units if u.plan.module is not self.model]
         try:
-            with checkpointed(blocks, self.model):
+            with checkpointed(blocks, self.model), torch.enable_grad():
                 self.phase = Phase.FORWARD
-                threads = [threading.Thread(target=run, args=(i,), name=f"outcore-micro{i}") for i in range(count)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                if errors:
-                    error = errors[0]
-                    explained = self._explained(error) if isinstance(error, RuntimeError) else error
-                    raise explained from (error if explained is not error else None)
+                try:
+                    with saved.hooks():
+                        losses = self._batch.turns.run(forward)
+                except RuntimeError as e:
+                    explained = self._explained(e)
+                    if explained is e:
+                        raise
+                    raise explained from e
                 self.phase = Phase.BACKWARD
-                total = torch.stack([loss.reshape(()) for loss in losses if loss is not None]).sum()
+                total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 (total * self.scaler.scale if self.scaler.enabled else total).backward()
         except BaseException:
             self.gradients.reset(self.units, drop_grads=True)
@@ -205,7 +195,7 @@ class Engine:
         self.gradients.end_micro_step()
         self.trace.end_step()
         stats = self.step()
-        stats["losses"] = [float(loss.detach()) for loss in losses if loss is not None]
+        stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats
 
     def step(self) -> dict[str, Any]:

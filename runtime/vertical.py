@@ -5,9 +5,9 @@ and once in backward for all K (`Engine.train_batch`).
 parameters are gathered (read from NVMe) K times in forward and K times in backward. Here the K
 forwards run unit by unit instead: unit 0 for every micro-batch, then unit 1 for every
 micro-batch, and so on. The model's own forward code is not rewritten for this: each micro-batch
-runs `model(...)` in its own thread, and the threads take turns (`Turns`), one at a time, passing
-the turn at every unit's forward pre-hook. So the code between units (embeddings, masks, rotary
-tables, the head and the loss) is the model's own, and only one thread ever computes.
+runs `model(...)` in its own greenlet (a coroutine with its own stack, on the calling thread), and
+they take turns (`Turns`), passing the turn at every unit's forward pre-hook. So the code between
+units (embeddings, masks, rotary tables, the head and the loss) is the model's own.
 
 Backward is one call over the K losses. Autograd runs the ready node created last first, so it
 walks the units in reverse, each for every micro-batch before the next: the order of the
@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import greenlet
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -41,51 +42,46 @@ PAGED_BYTES = 1 << 16  # saved tensors below this stay in memory: the keys would
 
 
 class Turns:
-    """K threads, one running at a time, in round-robin order: micro-batch 0, 1, ..., K-1, then 0."""
+    """K micro-batches as greenlets on the calling thread, one running at a time, in round-robin
+    order: 0, 1, ..., K-1, then 0 again. Greenlets, not threads: autograd numbers the nodes it
+    records per thread, and the backward order above rests on one numbering for all K."""
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self._turn = 0
-        self._done = [False] * count
-        self._cond = threading.Condition()
-        self._local = threading.local()
+        self.current: int | None = None  # the running micro-batch; None outside them
+        self._scheduler: greenlet.greenlet | None = None
 
-    @property
-    def current(self) -> int | None:
-        """The calling thread's micro-batch, or None outside the batch's threads."""
-        return getattr(self._local, "index", None)
-
-    def run(self, index: int, work: Callable[[], Any]) -> Any:
-        """In micro-batch `index`'s thread: wait for its first turn, run `work`, end its turns."""
-        self._local.index = index
-        self._wait(index)
+    def run(self, work: Callable[[int], Any]) -> list[Any]:
+        """`work(index)` for every micro-batch, taking turns at `boundary()`; their results, in order.
+        The first error any of them raises is raised here, once all have stopped."""
+        self._scheduler = greenlet.getcurrent()
+        lets = [greenlet.greenlet(functools.partial(work, i)) for i in range(self.count)]
+        results: list[Any] = [None] * self.count
+        error: BaseException | None = None
         try:
-            return work()
+            while any(not g.dead for g in lets):
+                for i, g in enumerate(lets):
+                    if g.dead:
+                        continue
+                    self.current = i
+                    try:
+                        out = g.switch()
+                    except BaseException as e:  # noqa: BLE001 - the first is raised below
+                        error = error or e
+                        continue
+                    if g.dead:
+                        results[i] = out
         finally:
-            with self._cond:
-                self._done[index] = True
-                self._pass(index)
+            self.current = None
+            self._scheduler = None
+        if error is not None:
+            raise error
+        return results
 
     def boundary(self) -> None:
-        """At a unit's start: give the turn to the next micro-batch and wait for it to come back."""
-        index = self.current
-        assert index is not None
-        with self._cond:
-            self._pass(index)
-        self._wait(index)
-
-    def _pass(self, index: int) -> None:  # self._cond held
-        for step in range(1, self.count + 1):
-            nxt = (index + step) % self.count
-            if not self._done[nxt]:
-                self._turn = nxt
-                break
-        self._cond.notify_all()
-
-    def _wait(self, index: int) -> None:
-        with self._cond:
-            while self._turn != index:
-                self._cond.wait()
+        """At a unit's start: give the turn to the next micro-batch; returns when it comes back."""
+        assert self._scheduler is not None
+        self._scheduler.switch()
 
 
 class VerticalBatch:

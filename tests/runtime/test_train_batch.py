@@ -140,3 +140,38 @@ def test_losses_come_from_loss_fn_or_the_output(tmp_path):
     with pytest.raises(ValueError, match="at least one"):
         engine.train_batch([])
     engine.close()
+
+
+def test_each_unit_is_gathered_once_in_forward_and_once_in_backward(tmp_path, monkeypatch):
+    """The schedule itself: K=4 micro-batches gather every block twice in all (not 2K times), and
+    at most one block at a time beside the root unit, in backward as in forward."""
+    from outcore.runtime import flat_unit
+
+    gathers: list[int] = []
+    live: set[int] = set()
+    peak = [0]
+    unshard, reshard = flat_unit.FlatUnit.unshard, flat_unit.FlatUnit.reshard
+
+    def counting_unshard(self):
+        unshard(self)
+        gathers.append(self.index)
+        live.add(self.index)
+        peak[0] = max(peak[0], len(live))
+
+    def counting_reshard(self):
+        reshard(self)
+        live.discard(self.index)
+
+    monkeypatch.setattr(flat_unit.FlatUnit, "unshard", counting_unshard)
+    monkeypatch.setattr(flat_unit.FlatUnit, "reshard", counting_reshard)
+    torch.manual_seed(0)
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"),
+                         grad_clip=None)
+    engine = outcore.Engine(TinyGPT(d=64, vocab=128, layers=6, tied=False), cfg)
+    engine.train_batch(batches(K, batch=2, vocab=128))
+    root = next(u.index for u in engine.units if u.plan.module is engine.model)
+    blocks = [u.index for u in engine.units if u.index != root]
+    assert {i: gathers.count(i) for i in blocks} == {i: 2 for i in blocks}
+    assert gathers.count(root) == 1  # gathered for the whole step
+    assert peak[0] == 2
+    engine.close()
