@@ -80,7 +80,7 @@ def run_optimizer(kind: str, params: int, repeats: int) -> dict:
     return {"kind": kind, "params": n, "step_s": step, "params_per_s": n / step, "peak_rss": peak_rss()}
 
 
-def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int,
+def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, budget: int | None,
              dtype: str = "fp32", checksum: bool = True, host_budget: int | None = None,
              checkpoint: bool = False, accumulate: int = 1) -> dict:
     """Median seconds of a training step of the preset GPT, plain or through the engine. A step is
@@ -122,7 +122,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
                                   grad_clip=clip, prefetch_depth=2, dtype=dtype,
                                   grad_accumulation=1 if vertical else accumulate,
                                   device_budget=budget if offload == "nvme" else None,
-                                  host_budget=(host_budget or budget) if offload == "nvme" else None,
+                                  host_budget=(host_budget or budget) if offload == "nvme" else None,  # None: derived
                                   sub_group_size=1 << 21,
                                   io=runtime.IOConfig(block_size=DISK_BLOCK, threads=DISK_DEPTH, checksum=checksum))
             engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg))
