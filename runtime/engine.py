@@ -71,11 +71,12 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  seed: int = 0, weights: str | os.PathLike | None = None) -> None:
-        pin_mmap_threshold()  # see runtime/host_heap.py: RSS follows the budgets, not malloc's timing
         self.config, self.model = config, model
         self.device = _compute_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
+        if not self.policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
+            pin_mmap_threshold()
         self.hp = optimizer or AdamW(**config.optimizer)
         self.lr = self.hp.lr
         self.scaler = LossScaler(config.dtype == "fp16")
@@ -210,7 +211,8 @@ class Engine:
             if not self.policy.overlapped:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
                 in_order = sorted(with_gradient, key=lambda u: forward.get(u.index, len(forward)))
-                self.updates.start(in_order, self.lr, coef)  # the order the next forward wants them
+                kept = self.gradients.kept if self.policy.step_in_memory else None
+                self.updates.start(in_order, self.lr, coef, kept)  # the order the next forward wants them
             refresh = [u for u in with_gradient if u.resident and not u.aliased]
             if refresh:  # whole parameters kept on every rank: re-gathered here, in the same order on all
                 self.updates.drain()

@@ -36,6 +36,8 @@ class GradientPath:
         # grad_accumulation, but a train_batch of K is one backward pass over K micro-batches.
         self.window_steps = self.micro_batches = policy.grad_accumulation
         self.with_gradient: set[int] = set()  # units given a gradient in this window
+        # `StatePolicy.step_in_memory`: each unit's gradient, per chunk, as autograd made it, until step()
+        self.kept: dict[int, list[list[torch.Tensor]]] = {}
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
 
@@ -63,11 +65,15 @@ class GradientPath:
         # it as it stands, with no copy into the store and no wait for room there.
         hand_over = (first and last and self.policy.hands_over_window(self.window_steps)
                      and unit.device == self.work_device)
+        keep = first and last and self.policy.step_in_memory and self.window_steps == 1
         with torch.no_grad():
             pieces = unit.gradient_pieces(grads, 1.0 / (world * self.micro_batches * self.scaler.scale),
                                           keep=hand_over)
             del grads
             self.with_gradient.add(unit.index)
+            if keep:
+                self.kept[unit.index] = pieces
+                return None
             sqnorm = 0.0
             for c, parts in zip(unit.chunks, pieces, strict=True):
                 if first and not hand_over:
@@ -76,10 +82,10 @@ class GradientPath:
                     acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
                     parts = [p.to(acc.device) for p in parts]  # from a GPU to a HOST work tier
                     torch._foreach_add_(list(acc.split([p.numel() for p in parts])), parts)
-                    if last:
+                    if last and self.policy.needs_norm:
                         sqnorm += float(torch.linalg.vector_norm(acc)) ** 2  # fp32 norms, as clip_grad_norm_
                     self.store.release(c.grad_key, dirty=True)
-                if last and first:
+                if last and first and self.policy.needs_norm:
                     sqnorm += sum(float(n) ** 2 for n in torch._foreach_norm(parts))
             if last:
                 self._sqnorm[unit.index] = sqnorm
@@ -94,7 +100,10 @@ class GradientPath:
             self.updates.overlap(unit, lr, handed)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
-        """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow."""
+        """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm
+        of None where none is needed: `StatePolicy.needs_norm`)."""
+        if not self.policy.needs_norm:
+            return None, 1.0, False
         total = torch.tensor([sum(self._sqnorm.values()), float(self._overflow)], dtype=torch.float64,
                              device=self.device)  # NCCL reduces device tensors only
         all_reduce_sum(total, self.group)
@@ -114,6 +123,7 @@ class GradientPath:
                     for c in u.chunks:
                         if c.grad_key in self.store:
                             self.store.delete(c.grad_key)
+        self.kept.clear()
         self.micro = 0
         self.window_steps = self.micro_batches = self.policy.grad_accumulation
         self.updates.end_window()

@@ -153,8 +153,25 @@ class StatePolicy:
     @property
     def overlapped(self) -> bool:
         """Each unit's update may run during backward, as soon as its gradient is final: nothing
-        needs every gradient first (no global-norm clipping, no fp16 overflow check)."""
-        return not self.clipping and self.dtype != "fp16"
+        needs every gradient first (no global-norm clipping, no fp16 overflow check), and there is
+        I/O to hide (see `step_in_memory`)."""
+        return not self.clipping and self.dtype != "fp16" and not self.step_in_memory
+
+    @property
+    def step_in_memory(self) -> bool:
+        """Nothing to stream: one rank, fp32, every state in device memory (the flat buffers are the
+        stored shards), one backward pass per step and no clipping. The gradients then stay as
+        autograd made them until `step()`, which updates every unit in one fused call, as
+        torch.optim.AdamW(fused=True) does: run during backward, the updates would only take cores
+        from it, with no I/O to hide, and a copy of each gradient into the store would only cost."""
+        return (self.aliased and self.offload_optimizer == "none" and self.dtype == "fp32"
+                and self.grad_accumulation == 1 and not self.clipping)
+
+    @property
+    def needs_norm(self) -> bool:
+        """The global gradient norm is computed only where a step needs it: to clip, or to find an
+        fp16 overflow (else `step()` reports it as None)."""
+        return self.clipping or self.dtype == "fp16"
 
     @property
     def hands_over(self) -> bool:

@@ -62,15 +62,19 @@ class UpdateStream:
         if handed is not None:
             self._handed_over.append(future)
 
-    def start(self, units: list[FlatUnit], lr: float, coef: float) -> None:
+    def start(self, units: list[FlatUnit], lr: float, coef: float,
+              kept: dict[int, list[list[torch.Tensor]]] | None = None) -> None:
         """Update `units`, in this order, with gradients scaled by `coef` (the clip coefficient).
         States in the work tier take one fused call, here; streamed ones go to the optimizer
-        thread, and each unit's future completes as its last chunk is written."""
+        thread, and each unit's future completes as its last chunk is written. `kept`: the
+        gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else in the store."""
         chunks = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
             t0 = time.perf_counter()
+            grads = [pieces for u in units for pieces in kept[u.index]] if kept is not None else None
             with ParamWriter(self.store, self.place) as params:
-                update_chunks(chunks, self.store, self.place, self.hp, params, self.steps, lr=lr, grad_scale=coef)
+                update_chunks(chunks, self.store, self.place, self.hp, params, self.steps, lr=lr, grad_scale=coef,
+                              grads=grads)
             for u in units:
                 self.steps[u.index] += 1
             self.seconds += time.perf_counter() - t0
