@@ -28,7 +28,7 @@ _OURS = re.compile(r"^(owner\.lock|rank\d+\.(swap|lock|index\.json|index\.json\.
 
 
 class OwnedDir:
-    """A fresh folder `<parent>/<prefix>XXXXXXXX`, this process's until `remove()`."""
+    """A fresh folder `<parent>/<prefix><random letters>`, this process's until `remove()`."""
 
     def __init__(self, prefix: str, parent: str | None = None) -> None:
         parent = parent or tempfile.gettempdir()

@@ -41,6 +41,16 @@ class Group:
         return dist.get_backend() if self.world > 1 else None
 
 
+def rank_device(device: str | torch.device | None) -> torch.device:
+    """The device given, else this rank's GPU (torchrun's LOCAL_RANK) where CUDA exists, else the CPU."""
+    out = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if out.type == "cuda":
+        if out.index is None:
+            out = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(out)  # NCCL and object collectives use the current device
+    return out
+
+
 def init_group(device: torch.device, timeout: float) -> Group:
     """Join the default process group from torchrun's environment, or run as one rank. A group the
     caller made already is joined with its own timeout."""

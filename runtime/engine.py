@@ -22,6 +22,7 @@ step      the global grad norm (clipping) and fp16 overflow are reduced across r
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import shutil
@@ -36,7 +37,7 @@ from torch import nn
 from outcore.offload import StorageFullError, Tier, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
-from outcore.runtime.collectives import Group, init_group
+from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
@@ -54,7 +55,14 @@ from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import UnitPlan, plan_layout, plan_units
 from outcore.runtime.update_stream import UpdateStream
-from outcore.runtime.vertical import SavedActivations, VerticalBatch, batch_loss, call_model, checkpointed
+from outcore.runtime.vertical import (
+    SavedActivations,
+    VerticalBatch,
+    batch_loss,
+    call_model,
+    checkpointed,
+    views_gathered_unit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +80,7 @@ class Engine:
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  seed: int = 0, weights: str | os.PathLike | None = None) -> None:
         self.config, self.model = config, model
-        self.device = _compute_device(device)
+        self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
         if not self.policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
@@ -107,7 +115,6 @@ class Engine:
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._batch: VerticalBatch | None = None  # a train_batch in flight
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
-        self._kept_said = False
         self._hooks: list[Any] = []
         self._start(init_fn, seed, pretrained)
 
@@ -159,8 +166,8 @@ class Engine:
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
                              "finish it with step() first.")
-        saved = SavedActivations(self.store, self.place.work_tier, self._is_parameter,
-                                 host_budget=self.store.stats()["host"]["budget"], on_kept=self._activations_kept)
+        saved = SavedActivations(self.store, self.place.work_tier, functools.partial(views_gathered_unit, self.units),
+                                 host_budget=self.store.stats()["host"]["budget"])
 
         def forward(index: int) -> torch.Tensor:
             output = call_model(self.model, micro_batches[index])
@@ -372,18 +379,6 @@ class Engine:
             "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
             "or name the block classes in Config.unit_classes, which keeps other modules in the root unit.")
 
-    def _activations_kept(self, nbytes: int) -> None:
-        if not self._kept_said:
-            self._kept_said = True
-            log.warning("train_batch: a saved activation of %s bytes is more than a quarter of the HOST budget (%s "
-                        "bytes), so such tensors stay in memory outside the budgets instead of paging; set "
-                        "host_budget to page them", f"{nbytes:,}", f"{self.store.stats()['host']['budget']:,}")
-
-    def _is_parameter(self, t: torch.Tensor) -> bool:
-        """`t` is (a view of) a gathered unit's parameters: saved as it is, never paged."""
-        ptr = t.untyped_storage().data_ptr()
-        return any(u.flat.untyped_storage().data_ptr() == ptr for u in self.units if u.state is UnitState.UNSHARDED)
-
     def _reshard_all(self) -> None:
         for u in self.units:
             if u.state is UnitState.UNSHARDED and not u.resident:
@@ -411,7 +406,8 @@ class Engine:
         on NVMe are written back after each update depends on the host budget)."""
         c = self.config
         plan = plan_memory(shapes, self.policy)
-        device_budget, host_budget = _budgets(c, plan)
+        device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget,
+                                                  psutil.virtual_memory().available)
         if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
             assert c.nvme_dir is not None  # Config requires it with anything on NVMe
             os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
@@ -498,30 +494,3 @@ class Engine:
 def _unit_shapes(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
     numels, layout = plan_layout(plans)
     return unit_shapes(numels, policy, **layout)
-
-
-def _compute_device(device: str | torch.device | None) -> torch.device:
-    """The device given, else this rank's GPU (torchrun's LOCAL_RANK) where CUDA exists, else the CPU."""
-    out = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if out.type == "cuda":
-        if out.index is None:
-            out = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(out)  # NCCL and object collectives use the current device
-    return out
-
-
-def _budgets(c: Config, plan: MemoryPlan) -> tuple[int, int]:
-    """Budgets from the config, or derived from the memory plan and the machine; checked against
-    the smallest working set, so that a budget too small fails here with the number that works."""
-    dev = plan.device.states + plan.device.runtime
-    host = plan.host.states + plan.host.runtime
-    device_budget = c.device_budget or max(dev, plan.device_min)
-    host_budget = c.host_budget or max(plan.host_min, min(host, psutil.virtual_memory().available // 2))
-    if device_budget < plan.device_min:
-        raise ValueError(f"device_budget={device_budget:,} bytes cannot hold what must stay on the device "
-                         f"({plan.device_min:,} bytes for this model and offload setting); raise it or offload "
-                         "more.")
-    if host_budget < plan.host_min:
-        raise ValueError(f"host_budget={host_budget:,} bytes cannot hold the optimizer's working set "
-                         f"({plan.host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
-    return device_budget, max(host_budget, 4096)

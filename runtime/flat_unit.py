@@ -123,6 +123,10 @@ class FlatUnit:
         self.wait_seconds = 0.0  # time spent waiting for the store
 
     @property
+    def is_gathered(self) -> bool:
+        return self.state is UnitState.UNSHARDED
+
+    @property
     def aliased(self) -> bool:
         """The flat buffer is the stored shard itself (not a gathered copy)."""
         return self._aliased

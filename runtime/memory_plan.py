@@ -85,6 +85,21 @@ class MemoryPlan:
         needed = self.host.states + self.host.runtime + self.optimizer_states
         return self.optimizer_on_nvme and host_budget >= needed
 
+    def budgets(self, device_budget: int | None, host_budget: int | None, available: int) -> tuple[int, int]:
+        """The budgets given, or derived from this plan and the `available` host memory; checked
+        against the smallest working set, so that a budget too small fails here with the number
+        that works."""
+        device = device_budget or max(self.device.states + self.device.runtime, self.device_min)
+        host = host_budget or max(self.host_min, min(self.host.states + self.host.runtime, available // 2))
+        if device < self.device_min:
+            raise ValueError(f"device_budget={device:,} bytes cannot hold what must stay on the device "
+                             f"({self.device_min:,} bytes for this model and offload setting); raise it or "
+                             "offload more.")
+        if host < self.host_min:
+            raise ValueError(f"host_budget={host:,} bytes cannot hold the optimizer's working set "
+                             f"({self.host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
+        return device, max(host, 4096)
+
     def as_dict(self) -> dict:
         return {tier: {"states": b.states, "runtime": b.runtime, "gathered": b.gathered, "total": b.total}
                 for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}

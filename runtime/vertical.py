@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,6 +38,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from outcore.offload import Tier, TieredStore
+
+log = logging.getLogger(__name__)
 
 PAGED_BYTES = 1 << 16  # saved tensors below this stay in memory: the keys would cost more than they save
 
@@ -103,13 +106,15 @@ class VerticalBatch:
 class SavedActivations:
     """Tensors autograd saves outside the units, paged through the store (see the module docstring)."""
 
+    _said_kept = False  # the log says once per process that a tensor was too large to page
+
     def __init__(self, store: TieredStore, work_tier: Tier, is_parameter: Callable[[torch.Tensor], bool], *,
-                 host_budget: int, on_kept: Callable[[int], None]) -> None:
+                 host_budget: int) -> None:
         self.store, self.work_tier, self.is_parameter = store, work_tier, is_parameter
         # A key may take a quarter of HOST, so that room for it can always be made by paging older
-        # ones out; a larger tensor stays in memory, outside the budgets, and `on_kept` says so.
+        # ones out; a larger tensor stays in memory, outside the budgets, and the log says so once.
+        self.host_budget = host_budget
         self.largest = host_budget // 4
-        self.on_kept = on_kept
         self._serial = 0
         self._lock = threading.Lock()
         self.live: set[str] = set()
@@ -125,7 +130,11 @@ class SavedActivations:
             return t
         if t.nbytes > self.largest:
             self.bytes_kept += t.nbytes
-            self.on_kept(t.nbytes)
+            if not SavedActivations._said_kept:
+                SavedActivations._said_kept = True
+                log.warning("train_batch: a saved activation of %s bytes is more than a quarter of the HOST budget "
+                            "(%s bytes), so such tensors stay in memory outside the budgets instead of paging; set "
+                            "host_budget to page them", f"{t.nbytes:,}", f"{self.host_budget:,}")
             return t
         with self._lock:
             self._serial += 1
@@ -215,6 +224,12 @@ def _own_checkpointing(model: nn.Module) -> list[tuple[Any, str, Any]]:
         restore.append((config, "use_cache", True))
         config.use_cache = False  # type: ignore[union-attr]
     return restore
+
+
+def views_gathered_unit(units: Sequence[Any], t: torch.Tensor) -> bool:
+    """`t` is (a view of) a gathered unit's parameters (`FlatUnit`s): saved as it is, never paged."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(u.flat.untyped_storage().data_ptr() == ptr for u in units if u.is_gathered)
 
 
 def batch_loss(output: Any, micro_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
