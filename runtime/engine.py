@@ -21,12 +21,13 @@ step      the global grad norm (clipping) and fp16 overflow are reduced across r
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -129,12 +130,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.phase = Phase.FORWARD
         try:
-            return self.model(*args, **kwargs)
-        except RuntimeError as e:
-            explained = self._explained(e)
-            if explained is e:
-                raise
-            raise explained from e
+            with self._released_parameters_explained():
+                return self.model(*args, **kwargs)
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit
@@ -179,14 +176,8 @@ class Engine:
         try:
             with checkpointed(blocks, self.model), torch.enable_grad():
                 self.phase = Phase.FORWARD
-                try:
-                    with saved.hooks():
-                        losses = self._batch.turns.run(forward)
-                except RuntimeError as e:
-                    explained = self._explained(e)
-                    if explained is e:
-                        raise
-                    raise explained from e
+                with self._released_parameters_explained(), saved.hooks():
+                    losses = self._batch.turns.run(forward)
                 self.phase = Phase.BACKWARD
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 (total * self.scaler.scale if self.scaler.enabled else total).backward()
@@ -370,14 +361,20 @@ class Engine:
             unit.unshard()
         self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
 
-    def _explained(self, error: RuntimeError) -> RuntimeError:
-        if "storage of size 0" not in str(error):
-            return error
-        return RuntimeError(
-            "the model read a parameter whose unit was released: a unit's parameters exist only while "
-            f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
-            "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
-            "or name the block classes in Config.unit_classes, which keeps other modules in the root unit.")
+    @contextlib.contextmanager
+    def _released_parameters_explained(self) -> Iterator[None]:
+        """A forward that read a released unit's parameter fails with what to do about it."""
+        try:
+            yield
+        except RuntimeError as e:
+            if "storage of size 0" not in str(e):
+                raise
+            raise RuntimeError(
+                "the model read a parameter whose unit was released: a unit's parameters exist only while "
+                f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
+                "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
+                "or name the block classes in Config.unit_classes, which keeps other modules in the root unit."
+            ) from e
 
     def _reshard_all(self) -> None:
         for u in self.units:

@@ -255,7 +255,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from outcore.tools.estimate import estimate_table, legal_settings, train_batch_activations
+    from outcore.tools.estimate import estimate_table, hf_dims, legal_settings, train_batch_activations
     from outcore.tools.hf_source import HFModel
     from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_layout, unit_numels
     from outcore.tools.report import table, write_json
@@ -273,7 +273,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
             hf = HFModel(args.model, args.lora)
             units, layout = unit_layout(hf.build())
-            dims = _hf_dims(hf.config())
+            dims = hf_dims(hf.config())
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
             what = (f"{args.model} + LoRA r={args.lora} ({sum(units) / 1e9:.3f}B parameters, "
                     f"{trained / 1e6:.2f}M trained)")
@@ -283,7 +283,7 @@ def _estimate(args: argparse.Namespace) -> int:
             if source.gpt is not None:
                 dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
             elif os.path.isdir(args.model):
-                dims = _hf_dims(HFModel(args.model).config())
+                dims = hf_dims(HFModel(args.model).config())
             what = f"{args.model} ({sum(units) / 1e9:.3f}B parameters)"
         if args.accumulate and dims is None:
             raise ValueError(f"--accumulate: the activations of {args.model!r} cannot be sized from here; give a "
@@ -317,12 +317,6 @@ def _estimate(args: argparse.Namespace) -> int:
     write_json(args.json, {"model": what, "dtype": args.dtype, "world_size": args.world_size, "units": units,
                            "rows": rows, "train_batch_activation_bytes": activations})
     return EXIT_OK
-
-
-def _hf_dims(config) -> tuple[int, int, int, int]:
-    """A Hugging Face config's layers, width, vocabulary and context length."""
-    return (config.num_hidden_layers, config.hidden_size, config.vocab_size,
-            getattr(config, "max_position_embeddings", 2048))
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -41,6 +41,13 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
     return plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules), policy)
 
 
+def hf_dims(config) -> tuple[int, int, int, int]:
+    """A Hugging Face config's layers, width, vocabulary and context length (for
+    `train_batch_activations`)."""
+    return (config.num_hidden_layers, config.hidden_size, config.vocab_size,
+            getattr(config, "max_position_embeddings", 2048))
+
+
 def train_batch_activations(*, layers: int, d_model: int, vocab: int, batch: int, seq: int, micro_batches: int,
                             dtype: str = "bf16") -> int:
     """Bytes of activation keys a `train_batch` of `micro_batches` keeps per rank (runtime/vertical.py):

@@ -18,7 +18,9 @@ import psutil
 import torch
 
 from outcore import runtime
+from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
+from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested
@@ -126,7 +128,11 @@ def build_config(opts: TrainOptions, units: list[int],
         values["nvme_dir"] = owned.path
         notes.append(f"NVMe tier in {owned.path} (removed at the end; --nvme-dir to choose)")
     try:
-        return runtime.Config.from_dict(values), notes, owned
+        config = runtime.Config.from_dict(values)
+        if opts.accumulate and config.grad_accumulation != 1:
+            raise ValueError(f"--accumulate {opts.accumulate} runs its micro-batches through one train_batch; the "
+                             f"config's grad_accumulation={config.grad_accumulation} must then be 1.")
+        return config, notes, owned
     except ValueError:
         if owned is not None:
             owned.remove()
@@ -151,11 +157,10 @@ def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, dev
 
 
 def _kept(ckpt_dir: str) -> str:
-    """What a run stopped early leaves to resume from."""
+    """What a run stopped early leaves to resume from: what `--resume` would take."""
     try:
-        with open(os.path.join(ckpt_dir, "latest")) as f:
-            return f"resume from {os.path.join(ckpt_dir, f.read().strip())} with --resume"
-    except OSError:
+        return f"resume from {find_checkpoint(ckpt_dir)} with --resume"
+    except (ValueError, StorageError):
         return "no checkpoint was saved (--save-every N saves along the way)"
 
 
@@ -169,11 +174,6 @@ def train(opts: TrainOptions, *, report=print) -> dict:
     job = (hf_job(opts.model, lora=opts.lora, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
-    if opts.accumulate and config.grad_accumulation != 1:
-        if owned_nvme is not None:
-            owned_nvme.remove()
-        raise ValueError(f"--accumulate {opts.accumulate} runs its micro-batches through one train_batch; the "
-                         f"config's grad_accumulation={config.grad_accumulation} must then be 1.")
     steps = opts.steps or job.steps
     # AdamW: the job's defaults, then the config's optimizer section, then --lr (the schedule's peak)
     hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
