@@ -1,9 +1,18 @@
-"""A bounded pool of page-aligned host buffers, reused rather than reallocated.
+"""Bounded pools of page-aligned host buffers, reused rather than reallocated.
 
 [Note: pool accounting] `in_use + cached <= budget` always holds. `in_use` counts buffers handed
-out (or adopted from another pool); `cached` counts freed buffers kept for reuse, which are real
-memory too. A request that does not fit first drops cached buffers of other sizes, then (in
-`acquire`) waits for a release until its deadline.
+out (or adopted from another pool); `cached` counts freed buffers a pool keeps for itself, which
+are real memory too. A request that does not fit waits (in `acquire`) for a release until its
+deadline.
+
+Two kinds, one interface:
+- `HostBufferPool`: pageable memory cut from a `HostArena` (offload/host_arena.py), which it may
+  share with another pool (on a CPU-only machine, DEVICE and HOST are one arena: a buffer changes
+  tier without a copy and goes back to the same free space). It caches nothing itself;
+- `PinnedBufferPool`: page-locked memory for a GPU's HOST tier, one registration per buffer, freed
+  buffers cached by size (registering is slow; a page-locked page cannot be given back without
+  unregistering its whole buffer). A request of a size it has none of drops cached buffers of other
+  sizes to make room.
 """
 
 from __future__ import annotations
@@ -14,23 +23,23 @@ from collections import OrderedDict
 
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import OutOfBudgetError
+from outcore.offload.host_arena import HostArena
 from outcore.offload.io_config import round_up
 
 
-class HostBufferPool:
-    """Hands out `HostBuffer`s whose total capacity never exceeds `budget` bytes."""
+class _BudgetedPool:
+    """The budget and its waits; subclasses say where a buffer comes from and where it goes."""
 
-    def __init__(self, budget: int, *, pin: bool = False, name: str = "HOST") -> None:
+    pin = False
+
+    def __init__(self, budget: int, *, name: str) -> None:
         if budget < 0:
             raise ValueError(f"{name.lower()}_budget={budget} must be >= 0.")
         self.budget = budget
-        self.pin = pin
         self.name = name
         self.in_use = 0
         self.cached = 0
         self.peak = 0
-        self.allocations = 0  # fresh mmaps, to show that reuse works
-        self._free: OrderedDict[int, list[HostBuffer]] = OrderedDict()  # capacity -> buffers, LRU first
         self._cond = threading.Condition()
 
     def try_acquire(self, nbytes: int) -> HostBuffer | None:
@@ -38,19 +47,12 @@ class HostBufferPool:
         capacity = round_up(max(nbytes, 1))
         self._check_fits(capacity)
         with self._cond:
-            same = self._free.get(capacity)
-            if same:
-                buf = same.pop()
-                if not same:
-                    del self._free[capacity]
-                self.cached -= capacity
-                self._charge(capacity)
-                return buf
-            if not self._make_room(capacity):
+            if self.in_use + capacity > self.budget:
                 return None
-            self._charge(capacity)
-        self.allocations += 1
-        return HostBuffer(capacity, pin=self.pin)
+            buf = self._take(capacity)
+            if buf is not None:
+                self._charge(capacity)
+            return buf
 
     def acquire(self, nbytes: int, timeout: float = 30.0) -> HostBuffer:
         """Like `try_acquire`, but waits up to `timeout` seconds for a release."""
@@ -72,9 +74,7 @@ class HostBufferPool:
         with self._cond:
             assert self.in_use >= buf.capacity, "released a buffer this pool does not account for"
             self.in_use -= buf.capacity
-            self.cached += buf.capacity
-            self._free.setdefault(buf.capacity, []).append(buf)
-            self._free.move_to_end(buf.capacity)
+            self._give(buf)
             self._cond.notify_all()
 
     def detach(self, buf: Buffer) -> None:
@@ -88,7 +88,7 @@ class HostBufferPool:
         """Start accounting for a buffer another pool detached; False when there is no room."""
         self._check_fits(buf.capacity)
         with self._cond:
-            if not self._make_room(buf.capacity):
+            if self.in_use + buf.capacity > self.budget or not self._room_for(buf.capacity):
                 return False
             self._charge(buf.capacity)
             return True
@@ -99,14 +99,22 @@ class HostBufferPool:
             return self.budget - self.in_use
 
     def trim(self) -> None:
-        """Drop every cached buffer (gives the memory back to the OS)."""
-        with self._cond:
-            self._drop_cached(self.cached)
+        """Give cached or free memory back to the OS."""
 
     def close(self) -> None:
         self.trim()
 
-    # -- internals (self._cond held) --------------------------------------------------------------
+    # -- where buffers come from and go (self._cond held) -----------------------------------------
+
+    def _take(self, capacity: int) -> HostBuffer | None:
+        raise NotImplementedError
+
+    def _give(self, buf: HostBuffer) -> None:
+        raise NotImplementedError
+
+    def _room_for(self, capacity: int) -> bool:
+        """`capacity` more bytes in use fit beside what the pool caches (dropping some if it must)."""
+        return True
 
     def _check_fits(self, capacity: int) -> None:
         if capacity > self.budget:
@@ -117,11 +125,59 @@ class HostBufferPool:
         self.peak = max(self.peak, self.in_use + self.cached)
         assert self.in_use + self.cached <= self.budget, "[Note: pool accounting] violated"
 
-    def _make_room(self, capacity: int) -> bool:
-        if self.in_use + capacity > self.budget:
-            return False
+
+class HostBufferPool(_BudgetedPool):
+    """Pageable host buffers within `budget` bytes, cut from `arena` (a new one of `budget` bytes
+    when none is given)."""
+
+    def __init__(self, budget: int, *, name: str = "HOST", arena: HostArena | None = None) -> None:
+        super().__init__(budget, name=name)
+        self.arena = arena if arena is not None else HostArena(budget)
+
+    def _take(self, capacity: int) -> HostBuffer | None:
+        return self.arena.take(capacity)
+
+    def _give(self, buf: HostBuffer) -> None:
+        self.arena.give_back(buf)
+
+    def trim(self) -> None:
+        self.arena.trim()
+
+
+class PinnedBufferPool(_BudgetedPool):
+    """Page-locked host buffers within `budget` bytes, freed ones cached by size for reuse."""
+
+    pin = True
+
+    def __init__(self, budget: int, *, name: str = "HOST") -> None:
+        super().__init__(budget, name=name)
+        self.allocations = 0  # fresh buffers, to show that reuse works
+        self._free: OrderedDict[int, list[HostBuffer]] = OrderedDict()  # capacity -> buffers, LRU first
+
+    def _take(self, capacity: int) -> HostBuffer | None:
+        same = self._free.get(capacity)
+        if same:
+            buf = same.pop()
+            if not same:
+                del self._free[capacity]
+            self.cached -= capacity
+            return buf
+        self._room_for(capacity)
+        self.allocations += 1
+        return HostBuffer(capacity, pin=True)
+
+    def _give(self, buf: HostBuffer) -> None:
+        self.cached += buf.capacity
+        self._free.setdefault(buf.capacity, []).append(buf)
+        self._free.move_to_end(buf.capacity)
+
+    def _room_for(self, capacity: int) -> bool:
         self._drop_cached(self.in_use + self.cached + capacity - self.budget)
         return True
+
+    def trim(self) -> None:
+        with self._cond:
+            self._drop_cached(self.cached)
 
     def _drop_cached(self, nbytes: int) -> None:
         while nbytes > 0 and self._free:

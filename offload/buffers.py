@@ -2,14 +2,16 @@
 
 A `Buffer` owns `capacity` bytes (a multiple of 4096) and hands out typed views of its first
 `nbytes`. Host buffers come from anonymous mmap, so they are page-aligned, zero-filled lazily and
-returned to the OS when the last view is gone (glibc's heap never holds them). Where CUDA exists
-they are registered as page-locked so host-to-device copies run asynchronously.
+returned to the OS when the last view is gone (glibc's heap never holds them); the store's pageable
+ones are cut from one such mapping (offload/host_arena.py). Where CUDA exists they are registered as
+page-locked so host-to-device copies run asynchronously.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from outcore.offload.aligned import aligned_array
@@ -45,8 +47,11 @@ class HostBuffer(Buffer):
     __slots__ = ("array", "pinned")
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
-        self.array = aligned_array(nbytes)
-        super().__init__(torch.from_numpy(self.array))  # the same memory, no copy
+        self._wrap(aligned_array(nbytes), pin=pin)
+
+    def _wrap(self, array: np.ndarray, *, pin: bool) -> None:
+        self.array = array
+        Buffer.__init__(self, torch.from_numpy(array))  # the same memory, no copy
         self.pinned = pin and _register_pinned(self.tensor)
 
     def free(self) -> None:

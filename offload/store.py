@@ -18,10 +18,12 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from outcore.offload.budgets import Budgets
+from outcore.offload.buffer_pool import HostBufferPool
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import StorageError
 from outcore.offload.handle import Handle, handle_of
@@ -239,12 +241,14 @@ class TieredStore(Moves, Writes, Budgets):
             for rec in self._records.values():
                 if rec.tier is not None and rec.tier != Tier.NVME:
                     resident[rec.tier.name.lower()] += rec.nbytes
-            out = {
+            out: dict[str, Any] = {
                 "device": {"budget": self._dev.budget, "in_use": self._dev.in_use, "cached": self._dev.cached,
                            "peak": self._dev.peak, "resident": resident["device"]},
                 "host": {"budget": self._host.budget, "in_use": self._host.in_use, "cached": self._host.cached,
                          "peak": self._host.peak, "resident": resident["host"]},
                 "nvme": {"bytes": self._swap.used, "file_bytes": self._swap.capacity, "direct": self._swap.direct},
+                # CPU-only: the memory both tiers are cut from (offload/host_arena.py)
+                "arena": self._host.arena.stats() if isinstance(self._host, HostBufferPool) else None,
                 "keys": len(self._records),
                 "writes_pending": len(self._writes),
                 "writes_failed": self._counts["writes_failed"],

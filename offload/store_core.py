@@ -21,11 +21,12 @@ import torch
 
 from outcore.offload.backends import make_engine
 from outcore.offload.background import background_pool
-from outcore.offload.buffer_pool import HostBufferPool
+from outcore.offload.buffer_pool import HostBufferPool, PinnedBufferPool
 from outcore.offload.buffers import Buffer
 from outcore.offload.device_memory import CudaMemory
 from outcore.offload.errors import StorageError
 from outcore.offload.handle import Handle
+from outcore.offload.host_arena import HostArena
 from outcore.offload.io_config import IOConfig
 from outcore.offload.prefetch import PrefetchQueue
 from outcore.offload.residency import TIER_OF, KeyRecord, Residency, Tier
@@ -59,11 +60,18 @@ class StoreCore:
         on_cuda = self.device.type == "cuda"
         if on_cuda and not torch.cuda.is_available():
             raise ValueError(f"device={self.device} was asked for but CUDA is not available; use device='cpu'.")
-        self._host = HostBufferPool(host_budget, pin=on_cuda, name="HOST")
-        # On a CPU-only machine DEVICE is RAM too: its buffers change hands with HOST's, never copied.
-        self._dev: HostBufferPool | CudaMemory = (CudaMemory(device_budget, self.device) if on_cuda
-                                                   else HostBufferPool(device_budget, name="DEVICE"))
-        self._mem: dict[Tier, HostBufferPool | CudaMemory] = {Tier.HOST: self._host, Tier.DEVICE: self._dev}
+        self._host: HostBufferPool | PinnedBufferPool
+        self._dev: HostBufferPool | CudaMemory
+        if on_cuda:
+            self._host, self._dev = PinnedBufferPool(host_budget), CudaMemory(device_budget, self.device)
+        else:
+            # DEVICE is RAM too: one arena serves both tiers, and a buffer changes tier without a
+            # copy (offload/host_arena.py [Note: host arena]).
+            arena = HostArena(host_budget + device_budget)
+            self._host = HostBufferPool(host_budget, arena=arena)
+            self._dev = HostBufferPool(device_budget, name="DEVICE", arena=arena)
+        self._mem: dict[Tier, HostBufferPool | PinnedBufferPool | CudaMemory] = {Tier.HOST: self._host,
+                                                                               Tier.DEVICE: self._dev}
         self._zero_copy = not on_cuda
         self._engine = make_engine(self.io)
         try:

@@ -1,13 +1,17 @@
 import os
+import random
 import re
 import threading
 import time
 
 import pytest
 
-from outcore.offload.buffer_pool import HostBufferPool
+from outcore.offload.buffer_pool import HostBufferPool, PinnedBufferPool
 from outcore.offload.errors import OutOfBudgetError
+from outcore.offload.host_arena import ArenaBuffer, HostArena
 from outcore.offload.io_config import PAGE
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only: reads /proc/self/smaps")
 
 
 def test_buffers_are_page_aligned_and_rounded():
@@ -18,9 +22,9 @@ def test_buffers_are_page_aligned_and_rounded():
     assert pool.in_use == PAGE
 
 
-def _mapping_of(address: int) -> tuple[str, list[str]]:
-    """Permissions and VmFlags of the mapping in /proc/self/smaps that holds `address`."""
-    perms, flags, inside = None, None, False
+def _mapping_of(address: int) -> tuple[str, list[str], int]:
+    """Permissions, VmFlags and resident bytes of the mapping in /proc/self/smaps that holds `address`."""
+    perms, flags, rss, inside = None, None, 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
@@ -29,41 +33,105 @@ def _mapping_of(address: int) -> tuple[str, list[str]]:
                     break
                 start, end = (int(x, 16) for x in head[0].split("-"))
                 inside, perms = start <= address < end, head[1]
+            elif inside and head[0] == "Rss:":
+                rss = int(head[1]) * 1024
             elif inside and head[0] == "VmFlags:":
                 flags = head[1:]
     assert inside, "the buffer's mapping is not in /proc/self/smaps"
-    return perms, flags or []
+    return perms, flags or [], rss
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only: reads /proc/self/smaps")
+@linux_only
 def test_host_buffers_are_private_mappings_that_ask_for_huge_pages():
     # A shared anonymous mapping is shmem: it never gets transparent huge pages on a default
     # machine, and refilling such buffers every step cost 4 KiB page faults and zeroing.
     buf = HostBufferPool(8 << 20).acquire(8 << 20)
     buf.tensor.fill_(1)
-    perms, flags = _mapping_of(buf.tensor.data_ptr())
+    perms, flags, _ = _mapping_of(buf.tensor.data_ptr())
     assert perms == "rw-p", f"host buffer mapping is {perms!r}, not private"
     assert "hg" in flags, "MADV_HUGEPAGE was not asked for"
 
 
-def test_budget_is_never_exceeded_and_reuse_avoids_new_allocations():
+def test_freed_memory_is_reused_without_touching_new_pages():
     pool = HostBufferPool(4 * PAGE)
     bufs = [pool.acquire(PAGE) for _ in range(4)]
     assert pool.try_acquire(PAGE) is None
-    for b in bufs:
+    for i, b in enumerate(bufs):
+        b.tensor.fill_(i + 1)
         pool.release(b)
-    assert pool.in_use == 0 and pool.cached == 4 * PAGE
+    assert pool.in_use == 0 and pool.arena.touched_free == 4 * PAGE
     again = [pool.acquire(PAGE) for _ in range(4)]
-    assert pool.allocations == 4, "freed buffers must be reused"
-    assert {id(b) for b in again} == {id(b) for b in bufs}
+    assert pool.arena.first_touched == 4 * PAGE, "freed pages must be reused, not new ones touched"
+    assert {b.tensor.data_ptr() for b in again} == {b.tensor.data_ptr() for b in bufs}
     assert pool.peak <= pool.budget
 
 
-def test_cached_buffers_of_other_sizes_are_dropped_to_make_room():
-    pool = HostBufferPool(4 * PAGE)
-    pool.release(pool.acquire(3 * PAGE))
-    big = pool.acquire(4 * PAGE)
-    assert big.capacity == 4 * PAGE and pool.cached == 0 and pool.in_use == 4 * PAGE
+def test_a_request_takes_the_smallest_touched_run_that_fits():
+    arena = HostArena(8 * PAGE)
+    small, gap, large = arena.take(PAGE), arena.take(PAGE), arena.take(3 * PAGE)
+    arena.give_back(small)
+    arena.give_back(large)  # touched runs of 1 and 3 pages, apart
+    assert isinstance(gap, ArenaBuffer)
+    one = arena.take(PAGE)
+    three = arena.take(3 * PAGE)
+    assert (one.tensor.data_ptr(), three.tensor.data_ptr()) == (small.tensor.data_ptr(), large.tensor.data_ptr())
+    assert arena.first_touched == 5 * PAGE
+
+
+def test_scattered_free_pages_go_back_to_the_os_before_new_ones_are_touched():
+    arena = HostArena(4 * PAGE)
+    bufs = [arena.take(PAGE) for _ in range(4)]
+    for b in bufs[::2]:
+        b.tensor.fill_(7)
+        arena.give_back(b)  # two touched pages, not adjacent: no two-page run is touched
+    two = arena.take(2 * PAGE)
+    assert two is not None and arena.touched_free == 0  # both freed pages went back first
+    assert arena.in_use + arena.touched_free + arena.apart <= arena.capacity
+    for b in bufs[::2]:  # the released pages read zeros again, as any fresh page
+        assert int(arena._mapping[b.offset : b.offset + PAGE].sum()) == 0
+
+
+@linux_only
+def test_random_traffic_keeps_buffers_apart_intact_and_resident_memory_bounded():
+    """Buffers of mixed sizes taken and given back at random: no two live buffers overlap, each
+    keeps its bytes, and the arena's mapping never holds more than the capacity in RAM."""
+    rng = random.Random(0)
+    capacity = 64 * PAGE
+    arena = HostArena(capacity)
+    live: list[tuple[object, int]] = []
+    for step in range(400):
+        if live and (rng.random() < 0.45 or arena.in_use + arena.apart > capacity // 2):
+            buf, mark = live.pop(rng.randrange(len(live)))
+            assert bool((buf.tensor == mark).all()), "a live buffer's bytes changed"
+            arena.give_back(buf)
+        else:
+            size = rng.choice([1, 2, 3, 5, 8, 13]) * PAGE
+            buf = arena.take(size)
+            assert buf is not None
+            mark = step % 250 + 1
+            buf.tensor.fill_(mark)
+            live.append((buf, mark))
+        spans = sorted((b.tensor.data_ptr(), b.tensor.data_ptr() + b.capacity) for b, _ in live)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+        assert arena.in_use + arena.touched_free + arena.apart <= capacity
+        if step % 20 == 0:
+            _, _, rss = _mapping_of(arena._mapping.ctypes.data)
+            assert rss <= capacity - arena.apart + PAGE, f"the arena holds {rss:,} bytes in RAM"
+    assert arena.first_touched <= 2 * capacity, "after the first fill, requests reuse touched pages"
+
+
+def test_two_pools_share_one_arena_and_a_buffer_changes_tier_without_a_copy():
+    arena = HostArena(3 * PAGE)
+    host, dev = HostBufferPool(2 * PAGE, arena=arena), HostBufferPool(PAGE, name="DEVICE", arena=arena)
+    buf = host.acquire(PAGE)
+    buf.tensor[:4] = 7
+    assert dev.try_adopt(buf)
+    host.detach(buf)
+    assert host.in_use == 0 and dev.in_use == PAGE and int(buf.tensor[0]) == 7
+    other = host.acquire(PAGE)
+    assert not dev.try_adopt(other), "adopt must respect the budget"
+    dev.release(buf)
+    assert arena.in_use == PAGE and arena.touched_free == PAGE
 
 
 def test_acquire_waits_for_a_release_then_times_out():
@@ -83,12 +151,30 @@ def test_larger_than_budget_fails_at_once():
         pool.try_acquire(PAGE + 1)
 
 
-def test_detach_and_adopt_move_accounting_without_copying():
-    host, dev = HostBufferPool(2 * PAGE), HostBufferPool(PAGE, name="DEVICE")
-    buf = host.acquire(PAGE)
-    buf.tensor[:4] = 7
-    assert dev.try_adopt(buf)
-    host.detach(buf)
-    assert host.in_use == 0 and dev.in_use == PAGE and int(buf.tensor[0]) == 7
-    other = host.acquire(PAGE)
-    assert not dev.try_adopt(other), "adopt must respect the budget"
+def test_trim_gives_every_free_page_back():
+    pool = HostBufferPool(4 * PAGE)
+    pool.release(pool.acquire(4 * PAGE))
+    pool.trim()
+    assert pool.arena.touched_free == 0 and pool.in_use == 0
+
+
+# -- the page-locked pool of a GPU's HOST tier (its caching runs without CUDA too) ----------------
+
+def test_pinned_pool_reuses_freed_buffers_of_the_same_size():
+    pool = PinnedBufferPool(4 * PAGE)
+    bufs = [pool.acquire(PAGE) for _ in range(4)]
+    assert pool.try_acquire(PAGE) is None
+    for b in bufs:
+        pool.release(b)
+    assert pool.in_use == 0 and pool.cached == 4 * PAGE
+    again = [pool.acquire(PAGE) for _ in range(4)]
+    assert pool.allocations == 4, "freed buffers must be reused"
+    assert {id(b) for b in again} == {id(b) for b in bufs}
+    assert pool.peak <= pool.budget
+
+
+def test_pinned_pool_drops_cached_buffers_of_other_sizes_to_make_room():
+    pool = PinnedBufferPool(4 * PAGE)
+    pool.release(pool.acquire(3 * PAGE))
+    big = pool.acquire(4 * PAGE)
+    assert big.capacity == 4 * PAGE and pool.cached == 0 and pool.in_use == 4 * PAGE

@@ -4,7 +4,7 @@ hands out buffers that hold what is written into them, and gets its room back on
 import pytest
 import torch
 
-from outcore.offload.buffer_pool import HostBufferPool
+from outcore.offload.buffer_pool import HostBufferPool, PinnedBufferPool
 from outcore.offload.device_memory import CudaMemory
 from outcore.offload.errors import OutOfBudgetError
 from outcore.offload.io_config import PAGE
@@ -65,6 +65,13 @@ class MemoryTierConformance:
 class TestHostTier(MemoryTierConformance):
     def make(self, budget):
         return HostBufferPool(budget, name="HOST")
+
+
+class TestHostTierOfAGpu(MemoryTierConformance):
+    """A GPU's HOST tier (page-locked where CUDA exists; its caching runs without CUDA too)."""
+
+    def make(self, budget):
+        return PinnedBufferPool(budget)
 
 
 class TestDeviceTierOnACpu(MemoryTierConformance):

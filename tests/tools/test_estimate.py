@@ -54,10 +54,14 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
     # The store's HOST (gradients handed straight to the optimizer are outside it). It may come in
     # under the plan by up to the updated parameter shards: the plan caches them all there, while
     # on a CPU a shard updated in place stays in DEVICE until pushed down, and how many are pushed
-    # depends on timing (runtime/optimizer.py [Note: updated parameters stay put]).
+    # depends on timing (runtime/optimizer.py [Note: updated parameters stay put]). And by the
+    # optimizer's read-ahead: the plan sizes each of its slots for the largest chunk, and the
+    # chunks read ahead of a small one are small too.
     host, planned = s["host"]["peak"], plan.host.states + plan.host.runtime
     updated = sum(round_up(4 * n) for n in unit_numels(source)) if params == "nvme" else 0
-    assert _within(host, planned) or planned >= host >= 0.9 * (planned - updated), (s["host"], plan.host)
+    read_ahead = 2 * (round_up(8 * max(unit_numels(source))) + 4096) if opt == "nvme" else 0
+    assert host <= planned, (s["host"], plan.host)
+    assert _within(host, planned) or host >= 0.9 * (planned - updated - read_ahead), (s["host"], plan.host)
     assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
 
 
