@@ -30,6 +30,7 @@ class Writes(StoreCore):
         def landed(h: Handle) -> None:
             error = h.exception()
             with self._cond:
+                self._freeing[Tier.HOST] -= staging.capacity
                 move = rec.move
                 assert move is not None
                 old_mem = self._old_memory(old)
@@ -46,6 +47,9 @@ class Writes(StoreCore):
 
         with self._cond:
             self._track_write(done)
+            # The staging buffer is free once the write lands: room on its way, which a request
+            # waits for rather than evicting a key (budgets.py).
+            self._freeing[Tier.HOST] += staging.capacity
         io.add_done_callback(landed)
         return done
 

@@ -226,7 +226,8 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
                 master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
                                 for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
                 state = torch.cat([m, v] if u.master_is_param else [master, m, v])
-                _overwrite(store, c.opt_key, state, place.opt_tier, return_home=place.opt_returns_home)
+                _overwrite(store, c.opt_key, state, place.opt_home(c.unit.index),
+                           return_home=place.opt_returns_home(c.unit.index))
                 params.write(c, master)
             if u.resident:
                 u.refresh()

@@ -275,7 +275,8 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        return plan_memory(_unit_shapes([u.plan for u in self.units], self.policy), self.policy)
+        plan = plan_memory(_unit_shapes([u.plan for u in self.units], self.policy), self.policy)
+        return plan.placed(self.place.kept)
 
     def close(self) -> None:
         self.updates.close()
@@ -405,15 +406,17 @@ class Engine:
         plan = plan_memory(shapes, self.policy)
         device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget,
                                                   psutil.virtual_memory().available)
+        kept = plan.kept_units(host_budget)
+        plan = plan.placed(kept)
         if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
             assert c.nvme_dir is not None  # Config requires it with anything on NVMe
             os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
             free = shutil.disk_usage(c.nvme_dir).free
             if free < plan.nvme.total:
                 raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
-        # With room in HOST for every optimizer state, writing them to NVMe and reading them back
-        # each step would buy nothing: they stay in HOST once updated.
-        place = replace(self.policy.placement, write_back=not plan.keeps_optimizer_states(host_budget))
+        # Optimizer states the host budget has room for rest there: runtime/memory_plan.py
+        # [Note: kept optimizer states].
+        place = replace(self.policy.placement, kept=kept)
         # Nothing rests on NVMe without an nvme_dir, but the store still wants a scratch folder.
         owned = OwnedDir("outcore-") if c.nvme_dir is None else None
         directory = owned.path if owned is not None else c.nvme_dir
@@ -472,7 +475,7 @@ class Engine:
         master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
         for c in unit.chunks:
             state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
-            self.store.put(c.opt_key, state, place.opt_tier, return_home=place.opt_returns_home)
+            self.store.put(c.opt_key, state, place.opt_home(unit.index), return_home=place.opt_returns_home(unit.index))
         self.store.put(unit.param_key, master, place.param_tier, dtype=unit.dtype,
                        return_home=place.param_returns_home)
         del flat32, master

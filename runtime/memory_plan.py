@@ -19,7 +19,7 @@ Every store key occupies whole pages, so counts are rounded per key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from outcore.runtime.policy import HANDED_OVER, StatePolicy, padded_numel
 
@@ -76,21 +76,58 @@ class MemoryPlan:
     host_min: int  # the smallest host budget
     optimizer_states: int = 0  # every chunk's fp32 optimizer state, wherever it rests
     optimizer_on_nvme: bool = False
+    unit_states: tuple[int, ...] = ()  # each unit's optimizer-state bytes, by unit index (0: frozen)
+    entry: tuple[int, ...] = ()  # the units the forward runs first: the root's, then the first other
+
+    # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
+    # in HOST instead, where the host budget has room beside this plan's HOST bytes: those of the
+    # units the next forward runs first, in that order (`kept_units`). Their gradients are final
+    # last in backward, so their updates cannot hide behind it: the next forward waited for them
+    # to be read and written (the input embedding of the reference GPT: 197 MB each way, about
+    # 0.15 s a step, docs/benchmarks.md). Kept by choice, not cached by least-recent use, which
+    # pushed out what the next forward reads first (measured: 10-45% more bytes moved a step).
+    # The default host budget holds the entry units' states.
+
+    @property
+    def entry_states(self) -> int:
+        """Bytes of the entry units' optimizer states, where they would rest on NVMe."""
+        return sum(self.unit_states[i] for i in self.entry) if self.optimizer_on_nvme else 0
+
+    def kept_units(self, host_budget: int) -> frozenset[int]:
+        """The units whose optimizer states rest in HOST under `host_budget`: the entry units, then
+        the others in unit order, as long as each fits in what the budget leaves."""
+        if not self.optimizer_on_nvme:
+            return frozenset()
+        room = host_budget - (self.host.states + self.host.runtime)
+        kept: list[int] = []
+        for i in [*self.entry, *(i for i in range(len(self.unit_states)) if i not in self.entry)]:
+            if self.unit_states[i] > room:
+                break
+            room -= self.unit_states[i]
+            kept.append(i)
+        return frozenset(i for i in kept if self.unit_states[i])
 
     def keeps_optimizer_states(self, host_budget: int) -> bool:
-        """Whether updated NVMe optimizer states may stay in HOST rather than be written back after
-        each update: only when `host_budget` holds all of them beside this plan's HOST bytes. Below
-        that the write-back stays, since states cached by least-recent use would push out what the
-        next forward reads first (measured: 10-45% more bytes moved per step)."""
-        needed = self.host.states + self.host.runtime + self.optimizer_states
-        return self.optimizer_on_nvme and host_budget >= needed
+        """Whether `host_budget` keeps every optimizer state in HOST (none is read or written a step)."""
+        return self.optimizer_on_nvme and len(self.kept_units(host_budget)) == sum(1 for n in self.unit_states if n)
+
+    def placed(self, kept: frozenset[int]) -> MemoryPlan:
+        """This plan with the optimizer states of `kept` in HOST instead of on NVMe."""
+        moved = sum(self.unit_states[i] for i in kept) if self.optimizer_on_nvme else 0
+        return replace(self, host=replace(self.host, states=self.host.states + moved),
+                       nvme=replace(self.nvme, states=self.nvme.states - moved))
+
+    def at_default_budgets(self) -> MemoryPlan:
+        """The plan as the engine lays it out under budgets it derives itself, memory permitting."""
+        return self.placed(self.kept_units(self.budgets(None, None, 1 << 62)[1]))
 
     def budgets(self, device_budget: int | None, host_budget: int | None, available: int) -> tuple[int, int]:
         """The budgets given, or derived from this plan and the `available` host memory; checked
         against the smallest working set, so that a budget too small fails here with the number
         that works."""
         device = device_budget or max(self.device.states + self.device.runtime, self.device_min)
-        host = host_budget or max(self.host_min, min(self.host.states + self.host.runtime, available // 2))
+        host = host_budget or max(self.host_min, min(self.host.states + self.host.runtime + self.entry_states,
+                                                     available // 2))
         if device < self.device_min:
             raise ValueError(f"device_budget={device:,} bytes cannot hold what must stay on the device "
                              f"({self.device_min:,} bytes for this model and offload setting); raise it or "
@@ -177,15 +214,19 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":
-        # Read ahead, update, write back. During backward each unit streams on its own, so a unit
-        # of few chunks has fewer on the way.
-        ahead = depth if not overlapped else min(depth, max((len(cs) for cs in chunks), default=1) - 1)
-        window = (ahead + 1) * (_pages(chunk * state_elem) + PAGE)
+        # Read ahead, update, write back: `depth` chunks on the way, past a unit's end into the
+        # next unit's (during backward, the unit expected next: runtime/update_stream.py).
+        window = (depth + 1) * (_pages(chunk * state_elem) + PAGE)
         host["runtime"] += window
         host_min += window
     else:
         host_min += state_all
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
+    unit_states = tuple(0 if u.frozen else sum(_pages((b - a) * state_elem) for a, b in policy.chunk_bounds(u.shard))
+                        for u in units)
+    others = [i for i, root in enumerate(roots) if not root]
+    entry = tuple(i for i, root in enumerate(roots) if root) + tuple(others[:1])
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
-                      optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme")
+                      optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme", unit_states=unit_states,
+                      entry=entry)

@@ -42,14 +42,18 @@ class Placement:
     param_tier: Tier  # where parameter shards rest
     opt_tier: Tier  # where [master|m|v] rests
     work_tier: Tier  # where grads live and the update runs (DEVICE when nothing is offloaded)
-    # States resting on NVMe are written back right after their update; False: they stay where
-    # they were updated until evicted (see `MemoryPlan.keeps_optimizer_states`).
-    write_back: bool = True
+    # Units whose optimizer states rest in HOST though the config puts them on NVMe (runtime/
+    # memory_plan.py [Note: kept optimizer states]); the others' are written back after each update.
+    kept: frozenset[int] = frozenset()
 
-    @property
-    def opt_returns_home(self) -> bool:
-        """The store hint for optimizer-state keys: back to NVMe once updated (`TieredStore.put`)."""
-        return self.opt_tier == Tier.NVME and self.write_back
+    def opt_home(self, unit: int) -> Tier:
+        """Where unit `unit`'s optimizer states rest."""
+        return Tier.HOST if self.opt_tier == Tier.NVME and unit in self.kept else self.opt_tier
+
+    def opt_returns_home(self, unit: int) -> bool:
+        """The store hint for unit `unit`'s optimizer-state keys: back to NVMe once updated
+        (`TieredStore.put`)."""
+        return self.opt_home(unit) == Tier.NVME
 
     @property
     def param_returns_home(self) -> bool:

@@ -38,7 +38,8 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
                          offload_optimizer=offload_optimizer, dtype=dtype, device_type=device,
                          prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
                          clipping=grad_clip is not None, grad_accumulation=grad_accumulation)
-    return plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules), policy)
+    plan = plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules), policy)
+    return plan.at_default_budgets()
 
 
 def hf_dims(config) -> tuple[int, int, int, int]:

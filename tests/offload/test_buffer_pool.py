@@ -1,3 +1,5 @@
+import ctypes
+import ctypes.util
 import os
 import random
 import re
@@ -22,9 +24,9 @@ def test_buffers_are_page_aligned_and_rounded():
     assert pool.in_use == PAGE
 
 
-def _mapping_of(address: int) -> tuple[str, list[str], int]:
-    """Permissions, VmFlags and resident bytes of the mapping in /proc/self/smaps that holds `address`."""
-    perms, flags, rss, inside = None, None, 0, False
+def _mapping_of(address: int) -> tuple[str, list[str]]:
+    """Permissions and VmFlags of the mapping in /proc/self/smaps that holds `address`."""
+    perms, flags, inside = None, None, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
@@ -33,12 +35,20 @@ def _mapping_of(address: int) -> tuple[str, list[str], int]:
                     break
                 start, end = (int(x, 16) for x in head[0].split("-"))
                 inside, perms = start <= address < end, head[1]
-            elif inside and head[0] == "Rss:":
-                rss = int(head[1]) * 1024
             elif inside and head[0] == "VmFlags:":
                 flags = head[1:]
     assert inside, "the buffer's mapping is not in /proc/self/smaps"
-    return perms, flags or [], rss
+    return perms, flags or []
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of [address, address + nbytes) in RAM now (mincore(2): exact for the range, where a
+    mapping's Rss in smaps may cover neighbouring memory the kernel merged into it)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    pages = -(-nbytes // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * PAGE
 
 
 @linux_only
@@ -47,7 +57,7 @@ def test_host_buffers_are_private_mappings_that_ask_for_huge_pages():
     # machine, and refilling such buffers every step cost 4 KiB page faults and zeroing.
     buf = HostBufferPool(8 << 20).acquire(8 << 20)
     buf.tensor.fill_(1)
-    perms, flags, _ = _mapping_of(buf.tensor.data_ptr())
+    perms, flags = _mapping_of(buf.tensor.data_ptr())
     assert perms == "rw-p", f"host buffer mapping is {perms!r}, not private"
     assert "hg" in flags, "MADV_HUGEPAGE was not asked for"
 
@@ -115,8 +125,8 @@ def test_random_traffic_keeps_buffers_apart_intact_and_resident_memory_bounded()
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
         assert arena.in_use + arena.touched_free + arena.apart <= capacity
         if step % 20 == 0:
-            _, _, rss = _mapping_of(arena._mapping.ctypes.data)
-            assert rss <= capacity - arena.apart + PAGE, f"the arena holds {rss:,} bytes in RAM"
+            rss = _resident_bytes(arena._mapping.ctypes.data, arena._mapping.nbytes)
+            assert rss <= capacity - arena.apart, f"the arena holds {rss:,} bytes in RAM"
     assert arena.first_touched <= 2 * capacity, "after the first fill, requests reuse touched pages"
 
 

@@ -313,10 +313,14 @@ def test_a_host_budget_holding_every_optimizer_state_keeps_them_off_the_disk(tmp
         assert_losses_match(ours + more, ref)
         opt_keys = [c.opt_key for u in engine.units for c in u.chunks]
         in_ram = [k for k in opt_keys if engine.store.ram_tier_of(k) is not None]
-        assert (len(in_ram) == len(opt_keys)) if roomy else not in_ram
+        # The default budget keeps those of the units the forward runs first (runtime/memory_plan.py
+        # [Note: kept optimizer states]), the root's and the first block's, and streams the rest.
+        entry = [c.opt_key for i in plan.entry for c in engine.units[i].chunks]
+        assert sorted(in_ram) == sorted(opt_keys if roomy else entry)
         engine.close()
-    # The default budget writes every updated state back each step; a roomy one writes nothing once warm.
-    assert written[False] >= 4 * plan.optimizer_states and written[True] == 0, written
+    # The default budget writes the streamed states back each step; a roomy one writes nothing once warm.
+    streamed = plan.optimizer_states - plan.entry_states
+    assert written[False] >= 4 * streamed and written[True] == 0, written
 
 
 class SumOfTwo(nn.Module):
