@@ -67,6 +67,29 @@ def test_the_fp32_parameter_shard_is_the_master_except_on_a_gpu_keeping_it_apart
     assert policy(device_type="cuda").master_is_param
 
 
+def test_a_host_budget_with_room_keeps_the_optimizer_states_of_the_units_the_forward_runs_first():
+    shards = [8 * 1024, 4 * 1024, 4 * 1024, 1024]  # units 0-2, then the root
+    plan = plan_memory(shapes(shards), policy())
+    state = [8 * n for n in shards]  # fp32 [m|v], whole pages here
+    assert plan.entry == (3, 0) and plan.unit_states == tuple(state)
+    assert plan.entry_states == state[3] + state[0]
+    base = plan.host.states + plan.host.runtime
+    # The default budget holds the entry units' states: the root's, then the first unit's.
+    _, host = plan.budgets(None, None, available=1 << 40)
+    assert host == base + plan.entry_states and plan.kept_units(host) == {3, 0}
+    assert plan.kept_units(base) == frozenset()
+    assert plan.kept_units(base + state[3]) == {3}
+    # Units in order after the entry ones, and only a prefix: unit 2 waits for unit 1 to fit.
+    assert plan.kept_units(base + plan.entry_states + state[1]) == {3, 0, 1}
+    assert plan.kept_units(base + plan.entry_states + state[1] - 1) == {3, 0}
+    assert plan.keeps_optimizer_states(base + sum(state)) and not plan.keeps_optimizer_states(base + sum(state) - 1)
+    kept = plan.placed(plan.kept_units(host))
+    assert kept.host.states == plan.host.states + plan.entry_states
+    assert kept.nvme.states == plan.nvme.states - plan.entry_states
+    # States that rest in HOST anyway are not "kept": nothing moves.
+    assert plan_memory(shapes(shards), policy(offload_optimizer="cpu")).kept_units(1 << 40) == frozenset()
+
+
 def test_the_plan_counts_states_where_they_rest_by_hand():
     shards = [8192, 8192, 4096]  # elements (whole pages in fp32)
     plan = plan_memory(shapes(shards), policy())
