@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 from outcore.offload.buffers import Buffer, HostBuffer
@@ -27,7 +28,7 @@ from outcore.offload.host_arena import HostArena
 from outcore.offload.io_config import round_up
 
 
-class _BudgetedPool:
+class _BudgetedPool(ABC):
     """The budget and its waits; subclasses say where a buffer comes from and where it goes."""
 
     pin = False
@@ -98,6 +99,7 @@ class _BudgetedPool:
         with self._cond:
             return self.budget - self.in_use
 
+    @abstractmethod
     def trim(self) -> None:
         """Give cached or free memory back to the OS."""
 
@@ -106,11 +108,13 @@ class _BudgetedPool:
 
     # -- where buffers come from and go (self._cond held) -----------------------------------------
 
+    @abstractmethod
     def _take(self, capacity: int) -> HostBuffer | None:
-        raise NotImplementedError
+        """A buffer of `capacity` bytes from this pool's memory, or None where there is none now."""
 
+    @abstractmethod
     def _give(self, buf: HostBuffer) -> None:
-        raise NotImplementedError
+        """`buf` goes back to this pool's memory."""
 
     def _room_for(self, capacity: int) -> bool:
         """`capacity` more bytes in use fit beside what the pool caches (dropping some if it must)."""
