@@ -158,7 +158,9 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     chunk = max(flat, default=0)
 
     param_all = sum(_pages(u.shard * elem) for u in units)  # one key per unit
-    state_all = sum(_pages(c * state_elem) for c in flat)
+    unit_states = tuple(0 if u.frozen else sum(_pages((b - a) * state_elem) for a, b in policy.chunk_bounds(u.shard))
+                        for u in units)
+    state_all = sum(unit_states)
     grad_all = sum(_pages(c * 4) for c in flat)
     # One micro-step, overlapped, and the gradient already where the update runs: the update takes
     # the shard itself (no store key), and backward waits while HANDED_OVER of them are in flight.
@@ -223,8 +225,6 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         host_min += state_all
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
-    unit_states = tuple(0 if u.frozen else sum(_pages((b - a) * state_elem) for a, b in policy.chunk_bounds(u.shard))
-                        for u in units)
     others = [i for i, root in enumerate(roots) if not root]
     entry = tuple(i for i, root in enumerate(roots) if root) + tuple(others[:1])
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
