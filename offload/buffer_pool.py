@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import OutOfBudgetError
-from outcore.offload.host_arena import HostArena
+from outcore.offload.host_arena import ArenaBuffer, HostArena
 from outcore.offload.io_config import round_up
 
 
@@ -142,7 +142,8 @@ class HostBufferPool(_BudgetedPool):
         return self.arena.take(capacity)
 
     def _give(self, buf: HostBuffer) -> None:
-        self.arena.give_back(buf)
+        # A buffer adopted from a pool of another arena goes back to the one it was cut from.
+        (buf.arena if isinstance(buf, ArenaBuffer) else self.arena).give_back(buf)
 
     def trim(self) -> None:
         self.arena.trim()

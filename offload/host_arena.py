@@ -94,7 +94,9 @@ class HostArena:
                 self.touched_free += buf.capacity
                 self._insert(buf.offset, buf.capacity, touched=True)
             else:  # mapped apart: unmapped once its last view is gone
+                assert not isinstance(buf, ArenaBuffer), "a buffer goes back to the arena it was cut from"
                 self.apart -= buf.capacity
+                assert self.apart >= 0, "a buffer this arena did not map apart"
 
     def trim(self) -> None:
         """Give the pages of every free run back to the OS."""

@@ -144,6 +144,16 @@ def test_two_pools_share_one_arena_and_a_buffer_changes_tier_without_a_copy():
     assert arena.in_use == PAGE and arena.touched_free == PAGE
 
 
+def test_a_buffer_adopted_across_arenas_goes_back_to_its_own():
+    host, dev = HostBufferPool(2 * PAGE), HostBufferPool(2 * PAGE, name="DEVICE")  # an arena each
+    buf = host.acquire(2 * PAGE)
+    assert dev.try_adopt(buf)
+    host.detach(buf)
+    dev.release(buf)
+    assert host.arena.in_use == 0 and host.arena.touched_free == 2 * PAGE and dev.arena.in_use == 0
+    assert host.acquire(2 * PAGE).tensor.data_ptr() == buf.tensor.data_ptr()
+
+
 def test_acquire_waits_for_a_release_then_times_out():
     pool = HostBufferPool(2 * PAGE)
     held = pool.acquire(2 * PAGE)
