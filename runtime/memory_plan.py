@@ -39,20 +39,24 @@ class UnitShape:
     frozen: bool = False  # no gradient, no optimizer state (runtime/units.py [Note: frozen units])
     root: bool = False  # the root unit or its frozen sibling: gathered from first forward to last backward
     module: int = 0  # units of one module (a unit and its frozen sibling) share it: gathered together
+    outer: bool = False  # a large module outside the blocks (an untied head, an embedding)
 
 
 def unit_shapes(numels: list[int], policy: StatePolicy, *, frozen: list[bool] | None = None,
-                roots: list[bool] | None = None, modules: list[int] | None = None) -> list[UnitShape]:
+                roots: list[bool] | None = None, modules: list[int] | None = None,
+                outer: list[bool] | None = None) -> list[UnitShape]:
     """Shapes of units of `numels` parameters each. Without `roots`, the last unit is the root's;
-    without `modules`, every unit is a module of its own (no frozen siblings)."""
+    without `modules`, every unit is a module of its own (no frozen siblings); without `outer`, no
+    unit is a large module outside the blocks."""
     n = len(numels)
     frozen = frozen or [False] * n
     roots = roots or [i == n - 1 for i in range(n)]
     modules = modules or list(range(n))
+    outer = outer or [False] * n
     out = []
-    for numel, fz, root, module in zip(numels, frozen, roots, modules, strict=True):
+    for numel, fz, root, module, big in zip(numels, frozen, roots, modules, outer, strict=True):
         padded = padded_numel(numel, policy.world, policy.elem)
-        out.append(UnitShape(padded // policy.world, padded, fz, root, module))
+        out.append(UnitShape(padded // policy.world, padded, fz, root, module, big))
     return out
 
 
@@ -77,7 +81,7 @@ class MemoryPlan:
     optimizer_states: int = 0  # every chunk's fp32 optimizer state, wherever it rests
     optimizer_on_nvme: bool = False
     unit_states: tuple[int, ...] = ()  # each unit's optimizer-state bytes, by unit index (0: frozen)
-    entry: tuple[int, ...] = ()  # the units the forward runs first: the root's, then the first other
+    entry: tuple[int, ...] = ()  # the units whose updates backward cannot hide (see `plan_memory`)
 
     # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
     # in HOST instead, where the host budget has room beside this plan's HOST bytes: those of the
@@ -225,8 +229,12 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         host_min += state_all
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
+    # The units whose updates backward cannot hide: the root's and the large modules outside the
+    # blocks (an input embedding's gradient is final last, an untied head's first, before any
+    # other update could be streaming); without such modules, the first block.
     others = [i for i, root in enumerate(roots) if not root]
-    entry = tuple(i for i, root in enumerate(roots) if root) + tuple(others[:1])
+    outer = [i for i in others if units[i].outer]
+    entry = tuple(i for i, root in enumerate(roots) if root) + tuple(outer or others[:1])
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
                       optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme", unit_states=unit_states,
                       entry=entry)

@@ -51,6 +51,7 @@ class UnitPlan:
     slots: list[ParamSlot] = field(default_factory=list)
     frozen: bool = False  # see [Note: frozen units]
     root: bool = False  # the root unit (or its frozen sibling)
+    outer: bool = False  # a large module outside the blocks (`_outer_units`), or its frozen sibling
 
     @property
     def numel(self) -> int:
@@ -113,9 +114,11 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
                              "name classes that exist in the model, or leave it empty to use the repeated blocks.")
     else:
         blocks = _deepest_block_list(model)
+        outer = _outer_units(model, blocks)
+        outer_names = {name for name, _ in outer}
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-        blocks = sorted(blocks + _outer_units(model, blocks), key=lambda nm: order[nm[0]])
-    units = [UnitPlan(i, name, m) for i, (name, m) in enumerate(blocks)]
+        blocks = sorted(blocks + outer, key=lambda nm: order[nm[0]])
+    units = [UnitPlan(i, name, m, outer=not unit_classes and name in outer_names) for i, (name, m) in enumerate(blocks)]
     root = UnitPlan(len(units), "", model)
     module_unit: dict[nn.Module, UnitPlan] = {}
     for u in units:
@@ -150,16 +153,20 @@ def _split_frozen(unit: UnitPlan) -> list[UnitPlan]:
     """The unit's trainable part, then its frozen sibling (either left out when empty)."""
     trainable = [s for s in unit.slots if not s.frozen]
     frozen = [s for s in unit.slots if s.frozen]
-    parts = [UnitPlan(unit.index, unit.name, unit.module, trainable, root=unit.root)] if trainable else []
-    if frozen:
-        parts.append(UnitPlan(unit.index, unit.name, unit.module, frozen, frozen=True, root=unit.root))
+    parts = []
+    for slots, is_frozen in ((trainable, False), (frozen, True)):
+        if slots:
+            parts.append(UnitPlan(unit.index, unit.name, unit.module, slots, frozen=is_frozen, root=unit.root,
+                                  outer=unit.outer))
     return parts
 
 
 def plan_layout(plans: list[UnitPlan]) -> tuple[list[int], dict[str, list]]:
     """Parameters per unit, and what the memory plan needs beside them: which units are frozen,
-    which are the root's, and which share a module (a unit and its frozen sibling)."""
+    which are the root's, which share a module (a unit and its frozen sibling), and which are large
+    modules outside the blocks."""
     modules: dict[int, int] = {}
     return [p.numel for p in plans], {
         "frozen": [p.frozen for p in plans], "roots": [p.root for p in plans],
-        "modules": [modules.setdefault(id(p.module), len(modules)) for p in plans]}
+        "modules": [modules.setdefault(id(p.module), len(modules)) for p in plans],
+        "outer": [p.outer for p in plans]}

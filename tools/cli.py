@@ -257,7 +257,7 @@ def _train(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     from outcore.tools.estimate import estimate_table, hf_dims, legal_settings, train_batch_activations
     from outcore.tools.hf_source import HFModel
-    from outcore.tools.model_source import resolve_model, synthetic_unit_numels, unit_layout, unit_numels
+    from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
     from outcore.tools.report import table, write_json
 
     layout: dict = {}
@@ -279,7 +279,7 @@ def _estimate(args: argparse.Namespace) -> int:
                     f"{trained / 1e6:.2f}M trained)")
         else:
             source = resolve_model(args.model)
-            units = unit_numels(source)
+            units, layout = source_layout(source)
             if source.gpt is not None:
                 dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
             elif os.path.isdir(args.model):

@@ -50,11 +50,16 @@ def resolve_model(spec: str, *, seq: int | None = None) -> ModelSource:
 
 def unit_numels(source: ModelSource, unit_classes: tuple[str, ...] = ()) -> list[int]:
     """Parameters per fetch unit (root unit last), from a meta-device build: no memory used."""
+    return source_layout(source, unit_classes)[0]
+
+
+def source_layout(source: ModelSource, unit_classes: tuple[str, ...] = ()) -> tuple[list[int], dict]:
+    """`unit_layout` of the source's model, built on the meta device: no memory used."""
     with deferred_init():
         model = source.build()
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {source.name!r}: the factory returned {type(model).__name__}, not an nn.Module.")
-    return [sum(s.numel for s in plan.slots) for plan in plan_units(model, unit_classes)]
+    return plan_layout(plan_units(model, unit_classes))
 
 
 def unit_layout(model: nn.Module) -> tuple[list[int], dict]:

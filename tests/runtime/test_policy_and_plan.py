@@ -86,6 +86,10 @@ def test_a_host_budget_with_room_keeps_the_optimizer_states_of_the_units_the_for
     kept = plan.placed(plan.kept_units(host))
     assert kept.host.states == plan.host.states + plan.entry_states
     assert kept.nvme.states == plan.nvme.states - plan.entry_states
+    # With large modules outside the blocks (an embedding, an untied head), those are the entry
+    # units beside the root: the embedding's gradient is final last, the head's first.
+    outer = [UnitShape(s, s, False, i == 4, i, i in (0, 3)) for i, s in enumerate([8192, 4096, 4096, 8192, 1024])]
+    assert plan_memory(outer, policy()).entry == (4, 0, 3)
     # States that rest in HOST anyway are not "kept": nothing moves.
     assert plan_memory(shapes(shards), policy(offload_optimizer="cpu")).kept_units(1 << 40) == frozenset()
 

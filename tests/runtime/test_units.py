@@ -31,7 +31,10 @@ def test_a_tied_weight_is_owned_once_with_every_place_it_is_registered():
 
 def test_a_module_outside_the_blocks_as_large_as_one_is_a_unit_of_its_own():
     model = TinyGPT(vocab=4096, tied=False)  # untied: the head and the embedding each outweigh a block
-    assert names(plan_units(model)) == ["tok", "blocks.0", "blocks.1", "blocks.2", "head", ""]
+    plans = plan_units(model)
+    assert names(plans) == ["tok", "blocks.0", "blocks.1", "blocks.2", "head", ""]
+    assert [p.outer for p in plans] == [True, False, False, False, True, False]
+    assert not any(p.outer for p in plan_units(model, ("MultiheadAttention",)))  # named classes: no such units
 
 
 def test_every_parameter_is_owned_by_exactly_one_unit():

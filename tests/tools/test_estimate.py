@@ -10,7 +10,7 @@ from outcore.offload import Tier
 from outcore.offload.io_config import round_up
 from outcore.tools.cli import main
 from outcore.tools.estimate import estimate, legal_settings
-from outcore.tools.model_source import resolve_model, unit_numels
+from outcore.tools.model_source import resolve_model, source_layout, unit_numels
 
 SETTINGS = [(3, "nvme", "nvme", 1.0), (3, "nvme", "nvme", None), (3, "cpu", "cpu", 1.0), (3, "none", "none", 1.0),
             (3, "none", "nvme", None), (2, "none", "cpu", 1.0), (3, "cpu", "nvme", 1.0)]
@@ -50,8 +50,9 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
         s = engine.stats()
     finally:
         engine.close()
-    plan = estimate(unit_numels(source), world=1, dtype="fp32", device="cpu", stage=stage, offload_params=params,
-                    offload_optimizer=opt, grad_clip=clip)
+    numels, layout = source_layout(source)
+    plan = estimate(numels, world=1, dtype="fp32", device="cpu", stage=stage, offload_params=params,
+                    offload_optimizer=opt, grad_clip=clip, **layout)
     device = s["device"]["peak"] + s["gathered"]["peak"]
     assert _within(device, plan.device.total), (device, plan.device)
     # The store's HOST (gradients handed straight to the optimizer are outside it). It may come in
