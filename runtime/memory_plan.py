@@ -84,13 +84,14 @@ class MemoryPlan:
     entry: tuple[int, ...] = ()  # the units whose updates backward cannot hide (see `plan_memory`)
 
     # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
-    # in HOST instead, where the host budget has room beside this plan's HOST bytes: those of the
-    # units the next forward runs first, in that order (`kept_units`). Their gradients are final
-    # last in backward, so their updates cannot hide behind it: the next forward waited for them
-    # to be read and written (the input embedding of the reference GPT: 197 MB each way, about
-    # 0.15 s a step, docs/benchmarks.md). Kept by choice, not cached by least-recent use, which
-    # pushed out what the next forward reads first (measured: 10-45% more bytes moved a step).
-    # The default host budget holds the entry units' states.
+    # in HOST instead, where the host budget has room beside this plan's HOST bytes: the entry
+    # units' first, then the others in unit order (`kept_units`). Backward cannot hide the entry
+    # units' updates: an input embedding's gradient is final last, and the next forward waited for
+    # its states to be read and written (the reference GPT: 197 MB each way, about 0.15 s a step,
+    # docs/benchmarks.md); an untied head's is final first, and every update queued behind its
+    # states. Kept by choice, not cached by least-recent use, which pushed out what the next
+    # forward reads first (measured: 10-45% more bytes moved a step). The default host budget
+    # holds the entry units' states.
 
     @property
     def entry_states(self) -> int:
