@@ -305,6 +305,10 @@ def _estimate(args: argparse.Namespace) -> int:
           "optimizer pipeline);")
     print("activations are the model's and not counted. On a CPU-only machine device and host are both RAM.")
     print("'min' is the smallest budget the engine accepts; between min and the estimate it evicts more.")
+    if any(o == "nvme" for _, _, o in settings):
+        print("With the optimizer on NVMe, host holds the optimizer states of the root and of the large modules "
+              "outside the blocks,")
+        print("whose updates backward cannot hide: the derived host budget keeps them there.")
     activations = None
     if args.accumulate and dims is not None:
         layers, d_model, vocab, context = dims
