@@ -31,8 +31,6 @@ from outcore.offload.io_config import round_up
 class _BudgetedPool(ABC):
     """The budget and its waits; subclasses say where a buffer comes from and where it goes."""
 
-    pin = False
-
     def __init__(self, budget: int, *, name: str) -> None:
         if budget < 0:
             raise ValueError(f"{name.lower()}_budget={budget} must be >= 0.")
@@ -89,8 +87,9 @@ class _BudgetedPool(ABC):
         """Start accounting for a buffer another pool detached; False when there is no room."""
         self._check_fits(buf.capacity)
         with self._cond:
-            if self.in_use + buf.capacity > self.budget or not self._room_for(buf.capacity):
+            if self.in_use + buf.capacity > self.budget:
                 return False
+            self._make_room(buf.capacity)
             self._charge(buf.capacity)
             return True
 
@@ -116,9 +115,9 @@ class _BudgetedPool(ABC):
     def _give(self, buf: HostBuffer) -> None:
         """`buf` goes back to this pool's memory."""
 
-    def _room_for(self, capacity: int) -> bool:
-        """`capacity` more bytes in use fit beside what the pool caches (dropping some if it must)."""
-        return True
+    @abstractmethod
+    def _make_room(self, capacity: int) -> None:
+        """Make `capacity` more bytes in use fit beside what the pool caches."""
 
     def _check_fits(self, capacity: int) -> None:
         if capacity > self.budget:
@@ -145,14 +144,15 @@ class HostBufferPool(_BudgetedPool):
         # A buffer adopted from a pool of another arena goes back to the one it was cut from.
         (buf.arena if isinstance(buf, ArenaBuffer) else self.arena).give_back(buf)
 
+    def _make_room(self, capacity: int) -> None:
+        """Nothing to drop: the pool caches nothing itself (the arena keeps its budget)."""
+
     def trim(self) -> None:
         self.arena.trim()
 
 
 class PinnedBufferPool(_BudgetedPool):
     """Page-locked host buffers within `budget` bytes, freed ones cached by size for reuse."""
-
-    pin = True
 
     def __init__(self, budget: int, *, name: str = "HOST") -> None:
         super().__init__(budget, name=name)
@@ -167,7 +167,7 @@ class PinnedBufferPool(_BudgetedPool):
                 del self._free[capacity]
             self.cached -= capacity
             return buf
-        self._room_for(capacity)
+        self._make_room(capacity)
         self.allocations += 1
         return HostBuffer(capacity, pin=True)
 
@@ -176,9 +176,8 @@ class PinnedBufferPool(_BudgetedPool):
         self._free.setdefault(buf.capacity, []).append(buf)
         self._free.move_to_end(buf.capacity)
 
-    def _room_for(self, capacity: int) -> bool:
+    def _make_room(self, capacity: int) -> None:
         self._drop_cached(self.in_use + self.cached + capacity - self.budget)
-        return True
 
     def trim(self) -> None:
         with self._cond:

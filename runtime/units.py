@@ -107,6 +107,7 @@ def _outermost(candidates) -> list[tuple[str, nn.Module]]:
 
 def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
     """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
+    outer_names: set[str] = set()  # large modules outside the blocks, units only when blocks are found
     if unit_classes:
         blocks = _by_class(model, unit_classes)
         if not blocks:
@@ -118,7 +119,7 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
         outer_names = {name for name, _ in outer}
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
         blocks = sorted(blocks + outer, key=lambda nm: order[nm[0]])
-    units = [UnitPlan(i, name, m, outer=not unit_classes and name in outer_names) for i, (name, m) in enumerate(blocks)]
+    units = [UnitPlan(i, name, m, outer=name in outer_names) for i, (name, m) in enumerate(blocks)]
     root = UnitPlan(len(units), "", model)
     module_unit: dict[nn.Module, UnitPlan] = {}
     for u in units:

@@ -59,14 +59,13 @@ def source_layout(source: ModelSource, unit_classes: tuple[str, ...] = ()) -> tu
         model = source.build()
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {source.name!r}: the factory returned {type(model).__name__}, not an nn.Module.")
+    return unit_layout(model, unit_classes)
+
+
+def unit_layout(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> tuple[list[int], dict]:
+    """Parameters per fetch unit of a (meta-device) model, and what `estimate` needs beside them
+    (`plan_layout`: frozen units, the root's, shared modules, large modules outside the blocks)."""
     return plan_layout(plan_units(model, unit_classes))
-
-
-def unit_layout(model: nn.Module) -> tuple[list[int], dict]:
-    """Parameters per fetch unit of a (meta-device) model, and what `estimate` needs beside them:
-    which units are frozen, which are the root's, and which share a module (a unit and its frozen
-    sibling)."""
-    return plan_layout(plan_units(model))
 
 
 def gpt_of_size(params: int, vocab: int = 32000, seq: int = 2048) -> GPTConfig:
