@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from outcore.runtime.engine import Engine as Engine
     from outcore.runtime.materialize import deferred_init as deferred_init
     from outcore.runtime.optimizer import AdamW as AdamW
+    from outcore.runtime.released import ReleasedParameterError as ReleasedParameterError
 
 _EXPORTS = {
     "Engine": "outcore.runtime.engine",
@@ -38,6 +39,7 @@ _EXPORTS = {
     "CheckpointCorruptError": "outcore.offload.errors",
     "OutOfBudgetError": "outcore.offload.errors",
     "RanksLostError": "outcore.runtime.collectives",
+    "ReleasedParameterError": "outcore.runtime.released",
 }
 
 __all__ = sorted(_EXPORTS)

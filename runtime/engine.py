@@ -21,13 +21,12 @@ step      the global grad norm (clipping) and fp16 overflow are reduced across r
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -130,8 +129,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.phase = Phase.FORWARD
         try:
-            with self._released_parameters_explained():
-                return self.model(*args, **kwargs)
+            return self.model(*args, **kwargs)
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit
@@ -176,7 +174,7 @@ class Engine:
         try:
             with checkpointed(blocks, self.model), torch.enable_grad():
                 self.phase = Phase.FORWARD
-                with self._released_parameters_explained(), saved.hooks():
+                with saved.hooks():
                     losses = self._batch.turns.run(forward)
                 self.phase = Phase.BACKWARD
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
@@ -298,7 +296,9 @@ class Engine:
         if self.phase is Phase.FORWARD:
             self._prefetch(self.trace.visit("forward", unit.index))
         self._gather(unit)
-        if batch is None or unit.index not in batch.bound:
+        # In a train_batch the micro-batches share one set of views (autograd sums into them), bound
+        # again only where the unit was released in between (recomputed in backward).
+        if batch is None or unit.index not in batch.bound or not unit.views_bound:
             unit.bind_views()
             if batch is not None:
                 batch.bound.add(unit.index)
@@ -316,6 +316,13 @@ class Engine:
         self.updates.wait(unit)
         self._prefetch(self.trace.visit("backward", unit.index))
         self._gather(unit)
+        if not unit.views_bound:
+            # Activation checkpointing may recompute the unit's forward without its forward hooks
+            # (a train_batch's in-place checkpoint, runtime/vertical.py; Hugging Face's), and the
+            # recomputed forward reads the modules' attributes. With grad, as in forward: views
+            # that required none would change what the recomputation saves.
+            with torch.enable_grad():
+                unit.bind_views()
 
     def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None:
         """Backward is done with the unit (`grads`: its parameters' gradients): reduce them to this
@@ -361,21 +368,6 @@ class Engine:
         if unit.state is UnitState.SHARDED:
             unit.unshard()
         self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
-
-    @contextlib.contextmanager
-    def _released_parameters_explained(self) -> Iterator[None]:
-        """A forward that read a released unit's parameter fails with what to do about it."""
-        try:
-            yield
-        except RuntimeError as e:
-            if "storage of size 0" not in str(e):
-                raise
-            raise RuntimeError(
-                "the model read a parameter whose unit was released: a unit's parameters exist only while "
-                f"its module runs. Units: {[u.name for u in self.units]}. If a parent reads a child's weight "
-                "directly (say `x @ self.emb.weight.T`), tie it by registration (`head.weight = emb.weight`) "
-                "or name the block classes in Config.unit_classes, which keeps other modules in the root unit."
-            ) from e
 
     def _reshard_all(self) -> None:
         for u in self.units:
@@ -483,6 +475,7 @@ class Engine:
             for module, name in slot.places:
                 del module._parameters[name]  # the flat buffer's views take their place
             slot.param = None
+        unit.release_views()
         if unit.resident:
             if self.policy.aliased:
                 unit.alias_shard()

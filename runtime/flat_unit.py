@@ -1,7 +1,8 @@
 """One fetch unit at run time: its flat parameter buffer, its shard keys, its two states.
 
 [Note: unit states] SHARDED: only this rank's shard exists, in the store (key `u<i>.param`); the
-flat buffer's storage has size 0. UNSHARDED: the flat buffer holds the whole unit (gathered from
+flat buffer's storage has size 0, and the modules' parameter attributes hold stand-ins that refuse
+to be read (runtime/released.py). UNSHARDED: the flat buffer holds the whole unit (gathered from
 every rank's shard) and the modules' parameter attributes are views of it. `unshard()` and
 `reshard()` are the only transitions (`alias_shard()` once, for an aliased unit), each asserting
 the state it starts from; `refresh()` refills a resident unit in place. A *resident* unit never
@@ -41,6 +42,7 @@ from outcore.offload import Tier, TieredStore
 from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
 from outcore.runtime.policy import StatePolicy, padded_numel
+from outcore.runtime.released import ReleasedParameter
 from outcore.runtime.units import UnitPlan
 
 
@@ -116,6 +118,10 @@ class FlatUnit:
         self.flat = torch.empty(layout.padded, dtype=self.dtype, device=device).requires_grad_(not self.frozen)
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
+        self.views_bound = False  # the modules' attributes are views of the flat buffer (else placeholders)
+        self._placeholders = [ReleasedParameter(slot.shape, self.dtype, not slot.frozen,
+                                                (slot.state_dict_names or ["?"])[0], self.name)
+                              for slot in plan.slots]
         # fp32: the parameter shard is the master weights, and chunk states are [m|v] (runtime/optimizer.py).
         self.master_is_param = policy.master_is_param
         # Called with the parameters' gradients when backward has finished with the unit (runtime/hooks.py).
@@ -201,6 +207,7 @@ class FlatUnit:
         else:
             self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+        self.release_views()
 
     def bind_views(self) -> None:
         """Point every module attribute of the unit's parameters at views of the flat buffer."""
@@ -210,6 +217,15 @@ class FlatUnit:
             view = piece.view(slot.shape)
             for module, name in slot.places:
                 setattr(module, name, view)
+        self.views_bound = True
+
+    def release_views(self) -> None:
+        """Point every module attribute of the unit's parameters at its `ReleasedParameter`: a view
+        left there would read memory the flat buffer no longer has (runtime/released.py)."""
+        for slot, placeholder in zip(self.plan.slots, self._placeholders, strict=True):
+            for module, name in slot.places:
+                setattr(module, name, placeholder)
+        self.views_bound = False
 
     def gradient_pieces(self, grads: list[torch.Tensor | None], factor: float, *,
                         keep: bool) -> list[list[torch.Tensor]]:

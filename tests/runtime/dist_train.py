@@ -12,6 +12,7 @@ from helpers import HP  # noqa: E402
 from models import TinyGPT, batches  # noqa: E402
 
 import outcore  # noqa: E402
+from outcore.runtime.released import ReleasedParameterError  # noqa: E402
 
 
 def main(out_path: str, config_json: str, steps: int) -> None:
@@ -29,13 +30,18 @@ def main(out_path: str, config_json: str, steps: int) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    try:  # a released unit's parameter, read between steps (ZeRO-3: refused with a clear error)
+        float(model.blocks[0].ln1.weight.sum())
+        between_steps = "read"
+    except ReleasedParameterError:
+        between_steps = "refused"
     swap_files = sorted(f for f in os.listdir(cfg.nvme_dir) if f.endswith(".swap"))
     sd = engine.full_state_dict()
     engine.save_checkpoint(out_path + ".ckpt", "final")  # for the offline export check
     if rank == 0:
         torch.save(sd, out_path + ".pt")
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "world": world, "swap_files": swap_files}, f)
+            json.dump({"losses": losses, "world": world, "swap_files": swap_files, "between_steps": between_steps}, f)
     engine.close()
     dist.destroy_process_group()
 

@@ -37,6 +37,7 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.load(open(out))
     assert got["world"] == 2 and got["swap_files"] == ["rank0.swap", "rank1.swap"]
+    assert got["between_steps"] == ("refused" if stage == 3 else "read")
     _, ref_model = twins(TinyGPT)
     ref = train_plain(ref_model, batches(12, batch=4), clip=clip)
     assert_losses_match(got["losses"], ref, rel=1e-5)

@@ -1,0 +1,59 @@
+"""What a module's parameter attribute holds while its unit is released (ZeRO-3).
+
+A gathered unit's parameters are views of its flat buffer. When the unit is released, that
+buffer's memory goes back to the store (or is freed), and a view left on the module would point
+at nothing: reading it would crash the process or return another key's bytes. So every release
+puts a `ReleasedParameter` in its place: a tensor with the parameter's shape and dtype and no
+memory (on the meta device), which answers questions about its shape and raises
+`ReleasedParameterError`, naming the parameter and what to do, for anything that would read its
+values. FSDP's sharded parameters play the same part; here the shard may be on NVMe, so there is
+nothing to hand out in its place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class ReleasedParameterError(RuntimeError):
+    """Something read the values of a parameter whose unit is released."""
+
+
+# What a released parameter still answers: its metadata, never its values.
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+}
+
+
+class ReleasedParameter(torch.Tensor):
+    """Stands on a module in place of parameter `name` of unit `unit` while that unit is released."""
+
+    param_name: str
+    unit_name: str
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, requires_grad: bool, name: str,
+                unit: str) -> ReleasedParameter:
+        t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), requires_grad)
+        t.param_name, t.unit_name = name, unit
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten((args, kwargs or {}))
+        released = next(t for t in leaves if isinstance(t, ReleasedParameter))
+        raise ReleasedParameterError(
+            f"{released.param_name} was read while its unit ({released.unit_name}) is released: under ZeRO-3 "
+            "a unit's parameters exist only while its module runs. Between steps, read the weights with "
+            "engine.full_state_dict(). Inside forward, a module that reads another module's weight directly "
+            "(say `x @ self.emb.weight.T`) must own it: tie it by registration (`head.weight = emb.weight`), or "
+            "name the block classes in Config.unit_classes, which keeps the other modules in the root unit.")

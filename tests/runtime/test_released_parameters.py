@@ -1,0 +1,64 @@
+"""What a module's parameter attribute holds under ZeRO-3: the gathered values while its unit runs,
+and between times a stand-in that knows its shape and refuses to be read (it once was a view of
+freed memory, and reading it crashed the process)."""
+
+import pytest
+import torch
+from models import TinyGPT, batches
+
+import outcore
+from outcore.runtime.released import ReleasedParameter
+
+
+def engine_for(tmp_path, **kw):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, d=32, tied=False)
+    cfg = outcore.Config(nvme_dir=str(tmp_path), sub_group_size=4096, **kw)
+    return model, outcore.Engine(model, cfg, outcore.AdamW(lr=1e-2))
+
+
+@pytest.mark.parametrize("offload", ["nvme", "cpu"])
+def test_a_released_parameter_keeps_its_shape_and_refuses_to_be_read(tmp_path, offload):
+    model, engine = engine_for(tmp_path, stage=3, offload_params=offload, offload_optimizer=offload)
+    for when in ("before the first step", "after a step"):
+        w = model.blocks[1].ln1.weight
+        assert isinstance(w, ReleasedParameter), when
+        assert w.shape == (32,) and w.dtype == torch.float32 and w.requires_grad and w.numel() == 32
+        with pytest.raises(outcore.ReleasedParameterError, match=r"blocks\.1\.ln1\.weight was read while its unit "
+                                                         r"\(blocks\.1\) is released.*full_state_dict"):
+            float(model.blocks[1].ln1.weight.sum())
+        with pytest.raises(outcore.ReleasedParameterError):
+            print(model.head.weight)
+        with pytest.raises(outcore.ReleasedParameterError):
+            torch.cat([model.tok.weight, model.head.weight])
+        for x, y in batches(2, batch=2, vocab=128):
+            engine.backward(engine(x, y))
+            engine.step()
+    engine.close()
+
+
+def test_inside_its_modules_forward_a_parameter_holds_the_current_values(tmp_path):
+    model, engine = engine_for(tmp_path, stage=3, offload_params="nvme", offload_optimizer="nvme")
+    seen = []
+    model.blocks[1].mlp[0].register_forward_hook(lambda m, i, o: seen.append(m.weight.detach().clone()))
+    for x, y in batches(3, batch=2, vocab=128):
+        engine.synchronize()
+        expected = engine.full_state_dict()["blocks.1.mlp.0.weight"]
+        engine.backward(engine(x, y))
+        engine.step()
+        torch.testing.assert_close(seen[-1], expected, rtol=0, atol=0)
+    assert not torch.equal(seen[0], seen[-1])  # the updates reached the gathered values
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])  # one rank at stage 3 with nothing offloaded: the shard itself
+def test_resident_parameters_stay_readable(tmp_path, stage):
+    model, engine = engine_for(tmp_path, stage=stage)
+    assert not isinstance(model.blocks[1].ln1.weight, ReleasedParameter)
+    for x, y in batches(2, batch=2, vocab=128):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.synchronize()
+    torch.testing.assert_close(model.blocks[1].ln1.weight.detach(), engine.full_state_dict()["blocks.1.ln1.weight"],
+                               rtol=0, atol=0)
+    engine.close()
