@@ -119,7 +119,7 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
         self.views_bound = False  # the modules' attributes are views of the flat buffer (else placeholders)
-        self._placeholders = [ReleasedParameter(slot.shape, self.dtype, not slot.frozen,
+        self._placeholders = [ReleasedParameter(slot.shape, self.dtype, not slot.frozen, device,
                                                 (slot.state_dict_names or ["?"])[0], self.name)
                               for slot in plan.slots]
         # fp32: the parameter shard is the master weights, and chunk states are [m|v] (runtime/optimizer.py).

@@ -3,8 +3,8 @@
 A gathered unit's parameters are views of its flat buffer. When the unit is released, that
 buffer's memory goes back to the store (or is freed), and a view left on the module would point
 at nothing: reading it would crash the process or return another key's bytes. So every release
-puts a `ReleasedParameter` in its place: a tensor with the parameter's shape and dtype and no
-memory (on the meta device), which answers questions about its shape and raises
+puts a `ReleasedParameter` in its place: a tensor with the parameter's shape, dtype and device
+and no memory (a meta tensor underneath), which answers questions about its shape and raises
 `ReleasedParameterError`, naming the parameter and what to do, for anything that would read its
 values. FSDP's sharded parameters play the same part; here the shard may be on NVMe, so there is
 nothing to hand out in its place.
@@ -24,11 +24,11 @@ class ReleasedParameterError(RuntimeError):
 
 # What a released parameter still answers: its metadata, never its values.
 _METADATA = {
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
-    torch.Tensor.is_floating_point,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,  # type: ignore[attr-defined]
+    torch.Tensor.element_size, torch.Tensor.is_floating_point,
 }
+_DEVICE = torch.Tensor.device.__get__
 
 
 class ReleasedParameter(torch.Tensor):
@@ -36,16 +36,19 @@ class ReleasedParameter(torch.Tensor):
 
     param_name: str
     unit_name: str
+    home_device: torch.device
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, requires_grad: bool, name: str,
-                unit: str) -> ReleasedParameter:
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, requires_grad: bool, device: torch.device,
+                name: str, unit: str) -> ReleasedParameter:
         t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), requires_grad)
-        t.param_name, t.unit_name = name, unit
+        t.param_name, t.unit_name, t.home_device = name, unit, device
         return t
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func == _DEVICE:  # where the values are while the unit runs (`x.to(p.device)` keeps working)
+            return args[0].home_device
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))

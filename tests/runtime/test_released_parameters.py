@@ -24,6 +24,7 @@ def test_a_released_parameter_keeps_its_shape_and_refuses_to_be_read(tmp_path, o
         w = model.blocks[1].ln1.weight
         assert isinstance(w, ReleasedParameter), when
         assert w.shape == (32,) and w.dtype == torch.float32 and w.requires_grad and w.numel() == 32
+        assert w.device == torch.device("cpu")  # where it is gathered
         with pytest.raises(outcore.ReleasedParameterError, match=r"blocks\.1\.ln1\.weight was read while its unit "
                                                          r"\(blocks\.1\) is released.*full_state_dict"):
             float(model.blocks[1].ln1.weight.sum())
