@@ -357,6 +357,7 @@ class Engine:
                 log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
             raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
+        self.sharded.guard_state_dict()
         for unit in self.units:
             self._hooks += register_unit_hooks(self, unit, is_root=unit.plan.module is self.model)
             if not unit.frozen:

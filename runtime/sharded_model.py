@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +19,32 @@ from outcore.runtime.update_stream import UpdateStream
 # that read their device and dtype from their first parameter (Hugging Face's `model.device`,
 # `model.dtype`, which `generate()` uses) find this zero-size one on the root instead.
 ANCHOR = "outcore_anchor"
+
+
+class StateDictGuard:
+    """A state-dict post-hook on every module that gave its parameters to the engine: called from
+    outside, `state_dict()` would return the buffers alone and look complete (saved, it loses
+    every weight; DeepSpeed's ZeRO-3 returns empty tensors there), so it raises instead and names
+    what reads the weights. The engine's own reads of the buffers go through `open()`."""
+
+    def __init__(self) -> None:
+        self._open = False
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[None]:
+        self._open, before = True, self._open
+        try:
+            yield
+        finally:
+            self._open = before
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        if not self._open:
+            raise RuntimeError(
+                "state_dict() was called on a module whose parameters outcore's engine holds: it would return "
+                "no weights. Read them through the engine: engine.full_state_dict() (on every rank; the whole "
+                "model in CPU memory), engine.export(path) (streamed to a .safetensors file or a Hugging Face "
+                "directory, also in place of save_pretrained), or engine.save_checkpoint(directory).")
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +62,7 @@ class ShardedModel:
     group: Group
     updates: UpdateStream
     state_dict_keys: list[str]  # `model.state_dict()`'s keys, in its order, taken before sharding
+    guard: StateDictGuard = field(default_factory=StateDictGuard)
 
     def settle(self) -> None:
         self.updates.drain()
@@ -43,6 +72,13 @@ class ShardedModel:
         self.model.register_parameter(ANCHOR, nn.Parameter(torch.empty(0, device=device, dtype=dtype),
                                                            requires_grad=False))
 
+    def guard_state_dict(self) -> None:
+        """Put `guard` on every module that owns a parameter the engine took."""
+        owners = {id(m): m for u in self.units for slot in u.plan.slots for m, _ in slot.places}
+        for module in owners.values():
+            module.register_state_dict_post_hook(self.guard)
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers by state-dict name (all its state dict holds once sharded), on CPU."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k != ANCHOR}
+        with self.guard.open():
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k != ANCHOR}

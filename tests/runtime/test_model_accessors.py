@@ -1,9 +1,14 @@
-"""What a module's parameter attribute holds under ZeRO-3: the gathered values while its unit runs,
-and between times a stand-in that knows its shape and refuses to be read (it once was a view of
-freed memory, and reading it crashed the process)."""
+"""What the model's own accessors give while the engine holds its parameters. A parameter attribute
+under ZeRO-3: the gathered values while its unit runs, and between times a stand-in that knows its
+shape and refuses to be read (it once was a view of freed memory, and reading it crashed the
+process). `state_dict()`: an error naming what reads the weights, where it once returned the
+buffers alone, which saved looked like a checkpoint and held no weight."""
+
+import os
 
 import pytest
 import torch
+from hf_models import deferred, save_model
 from models import TinyGPT, batches
 
 import outcore
@@ -62,4 +67,29 @@ def test_resident_parameters_stay_readable(tmp_path, stage):
     engine.synchronize()
     torch.testing.assert_close(model.blocks[1].ln1.weight.detach(), engine.full_state_dict()["blocks.1.ln1.weight"],
                                rtol=0, atol=0)
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_state_dict_of_the_model_or_a_submodule_names_what_reads_the_weights(tmp_path, stage):
+    model, engine = engine_for(tmp_path, stage=stage, offload_optimizer="nvme")
+    engine.backward(engine(*batches(1, batch=2, vocab=128)[0]))
+    engine.step()
+    for module in (model, model.blocks[1], model.head):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) was called on a module whose parameters outcore's "
+                                               r"engine holds.*engine\.full_state_dict\(\).*engine\.export"):
+            module.state_dict()
+    assert len(engine.full_state_dict()) == len(TinyGPT(vocab=128, d=32, tied=False).state_dict())
+    engine.close()
+
+
+def test_save_pretrained_fails_the_same_way_and_export_writes_the_model(tmp_path):
+    directory = save_model("llama", str(tmp_path / "src"))
+    engine = outcore.Engine(deferred(directory), outcore.Config(nvme_dir=str(tmp_path / "nvme")), weights=directory)
+    saved = tmp_path / "saved"
+    with pytest.raises(RuntimeError, match=r"engine\.export\(path\).*in place of save_pretrained"):
+        engine.module.save_pretrained(str(saved))
+    assert not saved.exists() or not [f for f in os.listdir(saved) if f.endswith(".safetensors")]
+    engine.export(str(tmp_path / "exported"))
+    assert "model.safetensors" in os.listdir(tmp_path / "exported")
     engine.close()
