@@ -137,15 +137,36 @@ class Engine:
                 self.trace.discard_step()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss; gradients land, reduced, in their shards."""
+        """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
+        `loss.backward()` does the same, but in fp16, where only this scales the loss."""
         self.phase = Phase.BACKWARD
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         finally:
             self.phase = Phase.IDLE
+        self._end_micro_step()
+
+    def _end_micro_step(self) -> None:
         self._reshard_all()  # units that produced no gradient this time (unused) still let go
         self.gradients.end_micro_step()
         self.trace.end_step()
+
+    def _in_backward(self) -> None:
+        """Called by every hook autograd runs. Outside `backward()` and `train_batch()`, the caller
+        ran `loss.backward()` itself: the rest of this backward pass is then the engine's, and the
+        micro-step ends with it (a callback autograd runs as the pass finishes, as FSDP's does)."""
+        if self.phase is Phase.BACKWARD:
+            return
+        if self.scaler.enabled:
+            raise RuntimeError("fp16 training needs engine.backward(loss) in place of loss.backward(): the "
+                               "engine scales the loss there, and unscaled fp16 gradients would underflow.")
+        self.phase = Phase.BACKWARD
+
+        def finished() -> None:
+            self.phase = Phase.IDLE
+            self._end_micro_step()
+
+        torch.autograd.Variable._execution_engine.queue_callback(finished)
 
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
@@ -313,6 +334,7 @@ class Engine:
             unit.reshard()
 
     def unit_backward_start(self, unit: FlatUnit) -> None:
+        self._in_backward()
         self.updates.wait(unit)
         self._prefetch(self.trace.visit("backward", unit.index))
         self._gather(unit)
@@ -327,6 +349,7 @@ class Engine:
     def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None:
         """Backward is done with the unit (`grads`: its parameters' gradients): reduce them to this
         rank's fp32 shard and accumulate or hand them over (runtime/gradient_path.py)."""
+        self._in_backward()
         handed = self.gradients.receive(unit, grads)
         del grads
         if not unit.resident and unit.state is UnitState.UNSHARDED:

@@ -28,14 +28,15 @@ def train_plain(model, data, *, clip=None, accum=1):
     return losses
 
 
-def train_engine(model, config, data, *, accum=1, engine=None):
+def train_engine(model, config, data, *, accum=1, engine=None, plain_backward=False):
+    """`plain_backward`: `loss.backward()`, as in a plain PyTorch loop, in place of `engine.backward(loss)`."""
     engine = engine or outcore.Engine(model, config, outcore.AdamW(**HP))
     losses = []
     for i in range(0, len(data), accum):
         total = 0.0
         for x, y in data[i : i + accum]:
             loss = engine(x, y)
-            engine.backward(loss)
+            loss.backward() if plain_backward else engine.backward(loss)
             total += loss.item()
             stats = engine.step()
         assert not stats["accumulating"]

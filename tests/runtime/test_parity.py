@@ -81,6 +81,21 @@ def test_activation_checkpointing_refetches_correctly(tmp_path, optim, clip):
     engine.close()
 
 
+@pytest.mark.parametrize("stage, offload, clip, accum, checkpointing", [(3, "nvme", None, 1, False),
+                                                                      (3, "nvme", 1.0, 2, True),
+                                                                      (2, "cpu", 1.0, 1, False)])
+def test_a_plain_loss_backward_trains_as_engine_backward_does(tmp_path, stage, offload, clip, accum, checkpointing):
+    cfg = outcore.Config(stage=stage, offload_params=offload if stage == 3 else "none", offload_optimizer=offload,
+                         nvme_dir=str(tmp_path), grad_clip=clip, grad_accumulation=accum)
+    ours_model, ref_model = twins(lambda: TinyGPT(checkpointing=checkpointing))
+    ref_model.checkpointing = False
+    data = batches(6)
+    ours, engine = train_engine(ours_model, cfg, data, accum=accum, plain_backward=True)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip, accum=accum))
+    assert engine.global_step == 6 // accum
+    engine.close()
+
+
 class SometimesSkips(TinyGPT):
     """Skips its middle block on odd calls: a path through the model that changes between steps."""
 

@@ -153,3 +153,20 @@ def test_buffers_built_on_the_meta_device_are_recomputed_or_refused_by_name(tmp_
         model = _TableStack(recompute=False)
     with pytest.raises(ValueError, match="buffer 'blocks.0.table'.*does not compute it"):
         outcore.Engine(model, outcore.Config(nvme_dir=str(tmp_path / "b")))
+
+
+def test_fp16_with_a_plain_loss_backward_is_a_clear_error_and_engine_backward_still_trains(tmp_path):
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         dtype="fp16")
+    torch.manual_seed(0)
+    engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(**HP))
+    before = engine.full_state_dict()
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"fp16 training needs engine\.backward\(loss\) in place of loss\.backward"):
+        engine(x, y).backward()
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.scaler.scale = 2.0**10  # no overflow: the step below updates
+    engine.backward(engine(x, y))
+    assert not engine.step()["skipped"] and engine.global_step == 1
+    engine.close()
