@@ -54,25 +54,28 @@ class GradientPath:
     def end_micro_step(self) -> None:
         self.micro += 1
 
-    def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor]] | None:
-        """Backward is done with `unit` (`grads`: its parameters' gradients, in slot order): reduce
-        and accumulate them. Returns the gradient shard, per chunk, when it is to be handed over in
-        memory (see `hand_over`), else None."""
+    def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None], *,
+                final: bool = True) -> list[list[torch.Tensor]] | None:
+        """Backward is done with one use of `unit` (`grads`: its parameters' gradients from that
+        use, in slot order): reduce and accumulate them. `final`: the last of the unit's uses in
+        this backward pass (a module run twice in a forward, or two forwards before one backward,
+        gives its gradient in parts). Returns the gradient shard, per chunk, when it is to be
+        handed over in memory (see `hand_over`), else None."""
         world = self.group.world
         first = unit.index not in self.with_gradient
-        last = self.micro + 1 == self.window_steps
+        last = final and self.micro + 1 == self.window_steps
         # One micro-step whose update starts now, where the gradient already is: the update takes
         # it as it stands, with no copy into the store and no wait for room there.
         hand_over = (first and last and self.policy.hands_over_window(self.window_steps)
                      and unit.device == self.work_device)
-        keep = first and last and self.policy.step_in_memory and self.window_steps == 1
+        in_memory = self.policy.step_in_memory and self.window_steps == 1
         with torch.no_grad():
             pieces = unit.gradient_pieces(grads, 1.0 / (world * self.micro_batches * self.scaler.scale),
                                           keep=hand_over)
             del grads
             self.with_gradient.add(unit.index)
-            if keep:
-                self.kept[unit.index] = pieces
+            if in_memory:
+                self._keep(unit, pieces, whole=first and last)
                 return None
             sqnorm = 0.0
             for c, parts in zip(unit.chunks, pieces, strict=True):
@@ -92,6 +95,17 @@ class GradientPath:
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
         return pieces if hand_over else None
+
+    def _keep(self, unit: FlatUnit, pieces: list[list[torch.Tensor]], *, whole: bool) -> None:
+        """`StatePolicy.step_in_memory`: the gradient stays in memory until `step()`. A whole one as
+        autograd made it; one in parts is summed into a copy (autograd's pieces may alias)."""
+        if whole:
+            self.kept[unit.index] = pieces
+        elif unit.index not in self.kept:
+            self.kept[unit.index] = [[torch.cat(parts)] for parts in pieces]
+        else:
+            for acc, parts in zip(self.kept[unit.index], pieces, strict=True):
+                acc[0].add_(torch.cat(parts))
 
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
