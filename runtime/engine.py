@@ -116,6 +116,7 @@ class Engine:
         self._batch: VerticalBatch | None = None  # a train_batch in flight
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
         self._said_late_update = False
+        self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
         self._start(init_fn, seed, pretrained)
 
@@ -128,6 +129,7 @@ class Engine:
     # -- the training loop's API ------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._end_plain_backward()
         self.phase = Phase.FORWARD
         try:
             return self.model(*args, **kwargs)
@@ -140,6 +142,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
+        self._end_plain_backward()
         self.phase = Phase.BACKWARD
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -170,20 +173,23 @@ class Engine:
 
     def _in_backward(self) -> None:
         """Called by every hook autograd runs. Outside `backward()` and `train_batch()`, the caller
-        ran `loss.backward()` itself: the rest of this backward pass is then the engine's, and the
-        micro-step ends with it (a callback autograd runs as the pass finishes, as FSDP's does)."""
+        ran `loss.backward()` itself: the pass is then the engine's backward, and its micro-step
+        ends at the engine's next call (`_end_plain_backward`). Not at the end of autograd's pass:
+        a reentrant checkpoint runs a nested pass, whose end is not the end of backward."""
         if self.phase is Phase.BACKWARD:
             return
         if self.scaler.enabled:
             raise RuntimeError("fp16 training needs engine.backward(loss) in place of loss.backward(): the "
                                "engine scales the loss there, and unscaled fp16 gradients would underflow.")
         self.phase = Phase.BACKWARD
+        self._plain_backward = True
 
-        def finished() -> None:
+    def _end_plain_backward(self) -> None:
+        """The engine is called again after a plain `loss.backward()`: its micro-step ends here."""
+        if self._plain_backward:
+            self._plain_backward = False
             self.phase = Phase.IDLE
             self._end_micro_step()
-
-        torch.autograd.Variable._execution_engine.queue_callback(finished)
 
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
@@ -193,6 +199,7 @@ class Engine:
         the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
         equals K forward/backward calls and a step with `grad_accumulation=K`. Returns `step()`'s
         stats plus "losses" (K floats)."""
+        self._end_plain_backward()
         count = len(micro_batches)
         if count == 0:
             raise ValueError("train_batch needs at least one micro-batch.")
@@ -234,6 +241,7 @@ class Engine:
 
     def step(self) -> dict[str, Any]:
         """Apply the update at the end of an accumulation window; a no-op before it."""
+        self._end_plain_backward()
         if not self.gradients.window_complete:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
@@ -265,6 +273,7 @@ class Engine:
 
     def save_checkpoint(self, directory: str, tag: str) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
+        self._end_plain_backward()
         config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
                     "config": self.config.to_dict(),
@@ -273,6 +282,7 @@ class Engine:
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
         """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest)."""
+        self._end_plain_backward()
         meta = load_checkpoint(self.sharded, directory, tag)
         self.global_step = int(meta["step"])
         self.lr = float(meta["lr"])
@@ -314,6 +324,7 @@ class Engine:
         return plan.placed(self.place.kept)
 
     def close(self) -> None:
+        self._end_plain_backward()
         self.updates.close()
         for h in self._hooks:
             h.remove()

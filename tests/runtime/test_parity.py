@@ -11,6 +11,7 @@ import torch
 from helpers import HP, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import outcore
 from outcore.offload import Tier
@@ -78,6 +79,31 @@ def test_activation_checkpointing_refetches_correctly(tmp_path, optim, clip):
     ref_model.checkpointing = False  # the reference computes the same math without recomputation
     data = batches(10)
     ours, engine = train_engine(ours_model, cfg, data)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    engine.close()
+
+
+class ReentrantCheckpoints(TinyGPT):
+    """Blocks under torch's reentrant checkpoint: forward without grad, and in backward a nested
+    autograd pass per block over its recomputed forward."""
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=True) if self.checkpointing else b(x)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("plain_backward", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_reentrant_checkpointing_trains_as_plain_pytorch(tmp_path, plain_backward, clip):
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip)
+    ours_model, ref_model = twins(lambda: ReentrantCheckpoints(checkpointing=True))
+    ref_model.checkpointing = False
+    data = batches(4)
+    ours, engine = train_engine(ours_model, cfg, data, plain_backward=plain_backward)
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
 
