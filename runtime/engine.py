@@ -115,7 +115,6 @@ class Engine:
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._batch: VerticalBatch | None = None  # a train_batch in flight
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
-        self._said_late_update = False
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
         self._start(init_fn, seed, pretrained)
@@ -151,25 +150,15 @@ class Engine:
         self._end_micro_step()
 
     def _end_micro_step(self) -> None:
-        for unit in self.units:
-            if 0 < unit.parts_received < unit.uses:
-                self._complete_gradient(unit)
-            unit.uses = unit.parts_received = 0
+        for index in self.gradients.incomplete():  # its update starts only now
+            unit = self.units[index]
+            self.gradients.complete(unit)
+            if not unit.resident and unit.state is UnitState.UNSHARDED:
+                unit.reshard()  # before the update changes its shard, as in `unit_grad_ready`
+            self.gradients.hand_over(unit, None, self.lr)
         self._reshard_all()  # units that produced no gradient this time (unused) still let go
         self.gradients.end_micro_step()
         self.trace.end_step()
-
-    def _complete_gradient(self, unit: FlatUnit) -> None:
-        """A unit ran more often in forward than backward gave it gradients (an output of one of
-        its runs had no backward): what came is its gradient, and its update starts only now."""
-        if not self._said_late_update:
-            self._said_late_update = True
-            log.info("%s ran %d times in forward and got %d gradients in backward; its update waited for the "
-                     "end of backward", unit.name, unit.uses, unit.parts_received)
-        self.gradients.receive(unit, [None] * len(unit.plan.slots), final=True)
-        if not unit.resident and unit.state is UnitState.UNSHARDED:
-            unit.reshard()
-        self.gradients.hand_over(unit, None, self.lr)
 
     def _in_backward(self) -> None:
         """Called by every hook autograd runs. Outside `backward()` and `train_batch()`, the caller
@@ -349,7 +338,7 @@ class Engine:
         if batch is None or unit.index not in batch.bound or not unit.views_bound:
             unit.bind_views()
             if self.phase is not Phase.BACKWARD and torch.is_grad_enabled():
-                unit.uses += 1  # backward hands its gradient over in one more part
+                self.gradients.ran(unit)
             if batch is not None:
                 batch.bound.add(unit.index)
 
@@ -379,9 +368,7 @@ class Engine:
         """Backward is done with the unit (`grads`: its parameters' gradients): reduce them to this
         rank's fp32 shard and accumulate or hand them over (runtime/gradient_path.py)."""
         self._in_backward()
-        unit.parts_received += 1
-        final = unit.parts_received >= unit.uses
-        handed = self.gradients.receive(unit, grads, final=final)
+        handed, final = self.gradients.receive(unit, grads)
         del grads
         # Between parts a block lets go (its next use's backward gathers it again); the root has
         # no such hook and stays.

@@ -119,9 +119,6 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(0)
         self._aliased = False
         self.views_bound = False  # the modules' attributes are views of the flat buffer (else placeholders)
-        # This backward pass: how many times forward bound the views (the parts the gradient comes
-        # in, one per run of the unit's modules) and how many parts have come.
-        self.uses = self.parts_received = 0
         self._placeholders = [ReleasedParameter(slot.shape, self.dtype, not slot.frozen, device,
                                                 (slot.state_dict_names or ["?"])[0], self.name)
                               for slot in plan.slots]

@@ -10,6 +10,7 @@ needs: which units have a gradient, their squared norms and whether fp16 overflo
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -20,6 +21,8 @@ from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.update_stream import UpdateStream
+
+log = logging.getLogger(__name__)
 
 
 class GradientPath:
@@ -40,6 +43,11 @@ class GradientPath:
         self.kept: dict[int, list[list[torch.Tensor]]] = {}
         self._sqnorm: dict[int, float] = {}
         self._overflow = False
+        # This backward pass, by unit index: the runs forward made of the unit (the parts its
+        # gradient comes in) and the parts come so far.
+        self._runs: dict[int, int] = {}
+        self._parts: dict[int, int] = {}
+        self._said_incomplete = False
 
     @property
     def window_complete(self) -> bool:
@@ -53,14 +61,38 @@ class GradientPath:
 
     def end_micro_step(self) -> None:
         self.micro += 1
+        self._runs.clear()
+        self._parts.clear()
+
+    def ran(self, unit: FlatUnit) -> None:
+        """Forward ran `unit` (bound its views with grad): its gradient comes in one more part."""
+        self._runs[unit.index] = self._runs.get(unit.index, 0) + 1
+
+    def incomplete(self) -> list[int]:
+        """Units given some parts of their gradient in this backward pass but not all: an output of
+        one of their runs had no backward."""
+        return [i for i, n in self._parts.items() if n < self._runs.get(i, 0)]
+
+    def complete(self, unit: FlatUnit) -> None:
+        """What came of `unit`'s gradient is all of it (see `incomplete`); the log says so once."""
+        if not self._said_incomplete:
+            self._said_incomplete = True
+            log.info("%s ran %d times in forward and got %d gradients in backward; its update waited for the end "
+                     "of backward", unit.name, self._runs[unit.index], self._parts[unit.index])
+        self._runs[unit.index] = self._parts[unit.index]
+        self.receive(unit, [None] * len(unit.plan.slots), part=False)
 
     def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None], *,
-                final: bool = True) -> list[list[torch.Tensor]] | None:
-        """Backward is done with one use of `unit` (`grads`: its parameters' gradients from that
-        use, in slot order): reduce and accumulate them. `final`: the last of the unit's uses in
-        this backward pass (a module run twice in a forward, or two forwards before one backward,
-        gives its gradient in parts). Returns the gradient shard, per chunk, when it is to be
-        handed over in memory (see `hand_over`), else None."""
+                part: bool = True) -> tuple[list[list[torch.Tensor]] | None, bool]:
+        """Backward is done with one run of `unit` (`grads`: its parameters' gradients from that
+        run, in slot order): reduce and accumulate them. A module run twice in a forward, or two
+        forwards before one backward, gives its gradient in parts, one per run (`ran`); `part`:
+        `grads` is one of them (else zeros that complete it). Returns the gradient shard, per chunk,
+        when it is to be handed over in memory (see `hand_over`), else None; and whether this
+        part was the last."""
+        if part:
+            self._parts[unit.index] = self._parts.get(unit.index, 0) + 1
+        final = self._parts.get(unit.index, 0) >= self._runs.get(unit.index, 0)
         world = self.group.world
         first = unit.index not in self.with_gradient
         last = final and self.micro + 1 == self.window_steps
@@ -76,7 +108,7 @@ class GradientPath:
             self.with_gradient.add(unit.index)
             if in_memory:
                 self._keep(unit, pieces, whole=first and last)
-                return None
+                return None, final
             sqnorm = 0.0
             for c, parts in zip(unit.chunks, pieces, strict=True):
                 if first and not hand_over:
@@ -94,7 +126,7 @@ class GradientPath:
                 self._sqnorm[unit.index] = sqnorm
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
-        return pieces if hand_over else None
+        return (pieces if hand_over else None), final
 
     def _keep(self, unit: FlatUnit, pieces: list[list[torch.Tensor]], *, whole: bool) -> None:
         """`StatePolicy.step_in_memory`: the gradient stays in memory until `step()`. A whole one as
@@ -138,6 +170,8 @@ class GradientPath:
                         if c.grad_key in self.store:
                             self.store.delete(c.grad_key)
         self.kept.clear()
+        self._runs.clear()
+        self._parts.clear()
         self.micro = 0
         self.window_steps = self.micro_batches = self.policy.grad_accumulation
         self.updates.end_window()
