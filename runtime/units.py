@@ -107,6 +107,11 @@ def _outermost(candidates) -> list[tuple[str, nn.Module]]:
 
 def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
     """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
+    lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise ValueError(f"{type(model).__name__} has parameters whose shapes are not known yet (lazy modules: "
+                         f"{', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}): run one forward on a sample "
+                         "input first, then build the Engine, which lays out each parameter's shard by its shape.")
     outer_names: set[str] = set()  # large modules outside the blocks, units only when blocks are found
     if unit_classes:
         blocks = _by_class(model, unit_classes)

@@ -1,6 +1,7 @@
 """The unit planner: which modules move together and which unit owns each parameter (no engine)."""
 
 import pytest
+import torch
 from models import TinyGPT
 from torch import nn
 
@@ -53,3 +54,11 @@ def test_unit_classes_name_the_units_and_the_rest_is_the_root():
 def test_a_model_without_repeated_blocks_is_one_root_unit():
     plans = plan_units(nn.Sequential(nn.Linear(4, 4)))  # one child: no list of blocks to split
     assert names(plans) == [""] and plans[0].numel == 20
+
+
+def test_a_lazy_module_is_named_before_anything_is_laid_out():
+    model = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"lazy modules: 0\.weight, 0\.bias\): run one forward on a sample input"):
+        plan_units(model)
+    model(torch.randn(2, 5))  # shapes known now: the same model is planned
+    assert [s.shape for u in plan_units(model) for s in u.slots] == [(8, 5), (8,), (1, 8), (1,)]
