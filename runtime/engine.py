@@ -151,11 +151,8 @@ class Engine:
 
     def _end_micro_step(self) -> None:
         for index in self.gradients.incomplete():  # its update starts only now
-            unit = self.units[index]
-            self.gradients.complete(unit)
-            if not unit.resident and unit.state is UnitState.UNSHARDED:
-                unit.reshard()  # before the update changes its shard, as in `unit_grad_ready`
-            self.gradients.hand_over(unit, None, self.lr)
+            self.gradients.complete(self.units[index])
+            self._start_update(self.units[index], None)
         self._reshard_all()  # units that produced no gradient this time (unused) still let go
         self.gradients.end_micro_step()
         self.trace.end_step()
@@ -348,8 +345,8 @@ class Engine:
         # micro-batch has run it.
         if self._batch is not None and self.phase is Phase.FORWARD and not self._batch.last_of("forward", unit.index):
             return
-        if self.phase is not Phase.BACKWARD and not unit.resident and unit.state is UnitState.UNSHARDED:
-            unit.reshard()
+        if self.phase is not Phase.BACKWARD:
+            unit.release()
 
     def unit_backward_start(self, unit: FlatUnit) -> None:
         self._in_backward()
@@ -370,12 +367,16 @@ class Engine:
         self._in_backward()
         handed, final = self.gradients.receive(unit, grads)
         del grads
-        # Between parts a block lets go (its next use's backward gathers it again); the root has
-        # no such hook and stays.
-        if not unit.resident and unit.state is UnitState.UNSHARDED and (final or unit.plan.module is not self.model):
-            unit.reshard()
         if final:
-            self.gradients.hand_over(unit, handed, self.lr)
+            self._start_update(unit, handed)
+        elif not unit.plan.root:  # between parts a block lets go: its next run's backward gathers it again
+            unit.release()
+
+    def _start_update(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None) -> None:
+        """The unit's gradient is whole: release the unit first (its update changes the shard),
+        then hand the gradient over (`GradientPath.hand_over`)."""
+        unit.release()
+        self.gradients.hand_over(unit, handed, self.lr)
 
     def unit_backward_end(self, unit: FlatUnit) -> None:
         """Backward is done with a frozen unit (its module's inputs have their gradients), or a root
@@ -383,8 +384,7 @@ class Engine:
         micro-batch's)."""
         if self._batch is not None and not self._batch.last_of("backward", unit.index):
             return
-        if not unit.resident and unit.state is UnitState.UNSHARDED:
-            unit.reshard()
+        unit.release()
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -416,8 +416,7 @@ class Engine:
 
     def _reshard_all(self) -> None:
         for u in self.units:
-            if u.state is UnitState.UNSHARDED and not u.resident:
-                u.reshard()
+            u.release()
 
     def _gathered_bytes(self) -> int:
         return sum(u.flat.untyped_storage().nbytes() for u in self.units  # borrowed ones are in the store

@@ -209,6 +209,11 @@ class FlatUnit:
         self.state = UnitState.SHARDED
         self.release_views()
 
+    def release(self) -> None:
+        """`reshard()` where there is something to let go: a gathered unit that is not resident."""
+        if self.state is UnitState.UNSHARDED and not self.resident:
+            self.reshard()
+
     def bind_views(self) -> None:
         """Point every module attribute of the unit's parameters at views of the flat buffer."""
         assert self.state is UnitState.UNSHARDED
