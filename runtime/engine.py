@@ -43,7 +43,7 @@ from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft, lora_init
 from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
-from outcore.runtime.host_heap import pin_mmap_threshold
+from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory, unit_shapes
@@ -83,8 +83,6 @@ class Engine:
         self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
-        if not self.policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
-            pin_mmap_threshold()
         self.hp = optimizer or AdamW(**config.optimizer)
         self.lr = self.hp.lr
         self.scaler = LossScaler(config.dtype == "fp16")
@@ -442,6 +440,8 @@ class Engine:
         plan = plan_memory(shapes, self.policy)
         device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget,
                                                   psutil.virtual_memory().available)
+        if not self.policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
+            pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if self.device.type == "cpu" else 0)))
         kept = plan.kept_units(host_budget)
         plan = plan.placed(kept)
         if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
