@@ -26,6 +26,7 @@ from outcore.offload.budgets import Budgets
 from outcore.offload.buffer_pool import HostBufferPool
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import StorageError
+from outcore.offload.exit_close import close_at_exit, forget
 from outcore.offload.handle import Handle, handle_of
 from outcore.offload.io_config import IOConfig, round_up
 from outcore.offload.moves import Moves
@@ -67,6 +68,7 @@ class TieredStore(Moves, Writes, Budgets):
                          nvme_preallocate=nvme_preallocate, prefetch_bytes=prefetch_bytes,
                          wait_timeout=wait_timeout)
         self._writer = WriteBackWorker(self._run_write_back, self.io.nice)
+        self._exit_token = close_at_exit(self)  # a script that never closes it: offload/exit_close.py
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -288,6 +290,7 @@ class TieredStore(Moves, Writes, Budgets):
         that the file and its index hold every key (a failed write is then raised)."""
         if self._closed:
             return
+        forget(self._exit_token)
         try:
             if keep_files:
                 self.flush()

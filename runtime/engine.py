@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from outcore.offload import StorageFullError, Tier, TieredStore
+from outcore.offload.exit_close import close_at_exit, forget
 from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
@@ -115,6 +116,7 @@ class Engine:
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
+        self._exit_token = close_at_exit(self)  # closed before the interpreter stops its threads
         self._start(init_fn, seed, pretrained)
 
     @property
@@ -308,6 +310,7 @@ class Engine:
         return plan.placed(self.place.kept)
 
     def close(self) -> None:
+        forget(self._exit_token)
         self._end_plain_backward()
         self.updates.close()
         for h in self._hooks:
