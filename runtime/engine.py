@@ -199,7 +199,7 @@ class Engine:
             output = call_model(self.model, micro_batches[index])
             return batch_loss(output, micro_batches[index], loss_fn)
 
-        self._batch = VerticalBatch(count)
+        self._batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
         self.gradients.begin_batch(count)
         blocks = [u.plan.module for u in self.units if u.plan.module is not self.model]
         try:
@@ -327,18 +327,22 @@ class Engine:
         batch = self._batch
         if batch is not None and batch.turns.current is not None:
             batch.turns.boundary()  # the next micro-batch's turn: runtime/vertical.py [Note: vertical schedule]
+            if not batch.shared_views:
+                batch.resume()
         self.updates.wait(unit)
         if self.phase is Phase.FORWARD:
             self._prefetch(self.trace.visit("forward", unit.index))
         self._gather(unit)
-        # In a train_batch the micro-batches share one set of views (autograd sums into them), bound
-        # again only where the unit was released in between (recomputed in backward).
-        if batch is None or unit.index not in batch.bound or not unit.views_bound:
-            unit.bind_views()
+        # In an fp32 train_batch the micro-batches share one set of views (autograd sums into them),
+        # bound again only where the unit was released in between (recomputed in backward).
+        if batch is None or not batch.shared_views or unit.index not in batch.bound or not unit.views_bound:
+            views = unit.bind_views()
             if self.phase is not Phase.BACKWARD and torch.is_grad_enabled():
                 self.gradients.ran(unit)
             if batch is not None:
                 batch.bound.add(unit.index)
+                if not batch.shared_views and batch.turns.current is not None:
+                    batch.keep_views(unit, views)
 
     def unit_forward_end(self, unit: FlatUnit) -> None:
         # ZeRO-3: the full parameters exist only while the unit runs (or, recomputed under

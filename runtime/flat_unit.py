@@ -214,12 +214,19 @@ class FlatUnit:
         if self.state is UnitState.UNSHARDED and not self.resident:
             self.reshard()
 
-    def bind_views(self) -> None:
-        """Point every module attribute of the unit's parameters at views of the flat buffer."""
+    def bind_views(self) -> list[torch.Tensor]:
+        """Point every module attribute of the unit's parameters at new views of the flat buffer
+        (one autograd node, whose backward is the unit's gradient callback); returns them."""
         assert self.state is UnitState.UNSHARDED
         pieces = _UnitViews.apply(self.flat, self)
-        for slot, piece in zip(self.plan.slots, pieces, strict=True):
-            view = piece.view(slot.shape)
+        views = [piece.view(slot.shape) for slot, piece in zip(self.plan.slots, pieces, strict=True)]
+        self.point_at(views)
+        return views
+
+    def point_at(self, views: list[torch.Tensor]) -> None:
+        """Point the module attributes at `views`, made by `bind_views` while the unit is gathered."""
+        assert self.state is UnitState.UNSHARDED
+        for slot, view in zip(self.plan.slots, views, strict=True):
             for module, name in slot.places:
                 setattr(module, name, view)
         self.views_bound = True

@@ -11,9 +11,14 @@ units (embeddings, masks, rotary tables, the head and the loss) is the model's o
 
 Backward is one call over the K losses. Autograd runs the ready node created last first, so it
 walks the units in reverse, each for every micro-batch before the next: the order of the
-forward, reversed. Each unit's parameter views are bound once for the whole batch, so autograd
-sums the K micro-batches' gradients into one call of the unit's gradient callback, which reduces
-and hands them to the update as a single micro-step would.
+forward, reversed. In fp32 each unit's parameter views are bound once for the whole batch, so
+autograd sums the K micro-batches' gradients into one call of the unit's gradient callback, which
+reduces and hands them to the update as a single micro-step would. In bf16 and fp16 that sum
+would be in the compute dtype (and could overflow in fp16 where fp32 does not), so each
+micro-batch binds views of its own, and the unit's gradient comes in K parts, each added into the
+fp32 shard as K backward passes would (runtime/gradient_path.py). A unit whose forward spans the
+turns (the root: the embedding before the blocks, the head after them) has its attributes pointed
+back at the running micro-batch's views whenever that micro-batch gets the turn again.
 
 What this keeps is each unit's inputs for each micro-batch: every unit is checkpointed (its
 forward recomputed in backward; torch's non-reentrant checkpoint), and every tensor that autograd
@@ -38,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from outcore.offload import Tier, TieredStore
+from outcore.runtime.flat_unit import FlatUnit
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +94,31 @@ class Turns:
 
 
 class VerticalBatch:
-    """One train_batch in flight: whose turn it is, and what the hooks count per unit."""
+    """One train_batch in flight: whose turn it is, and what the hooks count per unit.
+    `shared_views`: the K micro-batches share each unit's views (fp32), else each binds its own
+    (see the module docstring)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, *, shared_views: bool) -> None:
         self.count = count
         self.turns = Turns(count)
+        self.shared_views = shared_views
         self.bound: set[int] = set()  # units whose views serve every micro-batch of this batch
         self._ends: dict[tuple[str, int], int] = {}
+        # Without shared views: each micro-batch's own views of each unit, by (unit, micro-batch).
+        self._views: dict[tuple[int, int], tuple[FlatUnit, list[torch.Tensor]]] = {}
+
+    def keep_views(self, unit: FlatUnit, views: list[torch.Tensor]) -> None:
+        """`views` are the running micro-batch's views of `unit`."""
+        assert self.turns.current is not None
+        self._views[(unit.index, self.turns.current)] = (unit, views)
+
+    def resume(self) -> None:
+        """The running micro-batch has the turn again: its own views go back into the modules'
+        attributes of every unit still gathered, such as the root, whose forward spans all turns
+        (the other micro-batches bound theirs meanwhile)."""
+        for (_, micro_batch), (unit, views) in self._views.items():
+            if micro_batch == self.turns.current and unit.views_bound:
+                unit.point_at(views)
 
     def last_of(self, moment: str, unit: int) -> bool:
         """Count one micro-batch past `moment` of `unit`; True on the K-th (the unit may then go)."""

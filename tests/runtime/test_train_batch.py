@@ -58,27 +58,35 @@ def test_train_batch_equals_accumulation_on_a_gpt(tmp_path, stage, params, optim
     ours.close()
 
 
-def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path, dtype):
     directory = save_model("llama", str(tmp_path / "llama"))
     data = token_batches(2 * K, batch=2, seq=12)
+    clip = None if dtype == "fp32" else 1e9  # bf16: a norm to compare (fp32 sums of the same parts)
 
     def engine(name, accum):
         cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / name),
-                             grad_accumulation=accum, grad_clip=None)
+                             grad_accumulation=accum, grad_clip=clip, dtype=dtype)
         return outcore.Engine(deferred(directory), cfg, outcore.AdamW(lr=1e-3), weights=directory)
 
     ref = engine("ref", K)
-    ref_losses = []
+    ref_losses, ref_norms = [], []
     for ids in data:
         out = ref(input_ids=ids, labels=ids)
         ref.backward(out.loss)
-        ref.step()
+        stats = ref.step()
         ref_losses.append(float(out.loss.detach()))
+        if not stats["accumulating"]:
+            ref_norms.append(stats["grad_norm"])
     ours = engine("ours", 1)
-    losses = []
+    losses, norms = [], []
     for s in range(2):
-        losses += ours.train_batch([{"input_ids": ids, "labels": ids} for ids in data[s * K:(s + 1) * K]])["losses"]
+        stats = ours.train_batch([{"input_ids": ids, "labels": ids} for ids in data[s * K:(s + 1) * K]])
+        losses += stats["losses"]
+        norms.append(stats["grad_norm"])
     assert_losses_match(losses, ref_losses, rel=1e-5)
+    if clip is not None:
+        assert norms == pytest.approx(ref_norms, rel=2e-5)
     assert_same_weights(ref, ours)
     ref.close()
     ours.close()
@@ -175,3 +183,29 @@ def test_each_unit_is_gathered_once_in_forward_and_once_in_backward(tmp_path, mo
     assert gathers.count(root) == 1  # gathered for the whole step
     assert peak[0] == 2
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_gradients_are_summed_in_fp32_as_accumulation_does(tmp_path, dtype):
+    """In bf16 and fp16 each micro-batch's gradient is added into the fp32 shard on its own, as K
+    backward passes are: the gradient norm equals theirs to fp32 rounding, not to the compute
+    dtype's (a sum inside autograd, in bf16, differs by about 1e-3)."""
+    data = batches(3 * K, batch=2, vocab=128)
+    ref = gpt_engine(tmp_path, "ref", K, clip=1e9, dtype=dtype)
+    ours = gpt_engine(tmp_path, "ours", 1, clip=1e9, dtype=dtype)
+    updated = 0
+    for s in range(3):
+        window = data[s * K:(s + 1) * K]
+        for x, y in window:
+            ref.backward(ref(x, y))
+            ref_stats = ref.step()
+        stats = ours.train_batch(window)
+        assert stats["skipped"] == ref_stats["skipped"]  # fp16: the same overflows, loss scale and skips
+        assert stats["loss_scale"] == ref_stats["loss_scale"]
+        if not stats["skipped"]:
+            updated += 1
+            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=2e-5)
+    assert updated >= 1
+    assert_same_weights(ref, ours, tol=1e-5)
+    ref.close()
+    ours.close()
