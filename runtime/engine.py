@@ -74,6 +74,19 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
+
+def _open_only(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An engine API call that needs the engine open: after `close()` it raises, saying so."""
+    @functools.wraps(method)
+    def checked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError(f"Engine.{method.__name__}: this engine was closed, and its parameters and "
+                               "optimizer states went with its store; build a new Engine (load_checkpoint "
+                               "restores a saved run into it).")
+        return method(self, *args, **kwargs)
+    return checked
+
+
 class Engine:
     """Wraps `model` for training; the README's Python API section is the contract."""
 
@@ -116,6 +129,7 @@ class Engine:
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
+        self._closed = False
         self._exit_token = close_at_exit(self)  # closed before the interpreter stops its threads
         self._start(init_fn, seed, pretrained)
 
@@ -127,6 +141,7 @@ class Engine:
 
     # -- the training loop's API ------------------------------------------------------------------
 
+    @_open_only
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._end_plain_backward()
         self.phase = Phase.FORWARD
@@ -138,6 +153,7 @@ class Engine:
                 self._reshard_all()
                 self.trace.discard_step()
 
+    @_open_only
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
@@ -177,6 +193,7 @@ class Engine:
             self.phase = Phase.IDLE
             self._end_micro_step()
 
+    @_open_only
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
         """K micro-batches as one optimizer step, each unit gathered once in forward and once in
@@ -225,6 +242,7 @@ class Engine:
         stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats
 
+    @_open_only
     def step(self) -> dict[str, Any]:
         """Apply the update at the end of an accumulation window; a no-op before it."""
         self._end_plain_backward()
@@ -257,6 +275,7 @@ class Engine:
         for timing a step whole, or for reading the store directly."""
         self.updates.drain()
 
+    @_open_only
     def save_checkpoint(self, directory: str, tag: str) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
         self._end_plain_backward()
@@ -266,6 +285,7 @@ class Engine:
                     "hf_config": config.to_dict() if config is not None else None}  # type: ignore[attr-defined]
         return save_checkpoint(self.sharded, directory, tag, progress)
 
+    @_open_only
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
         """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest)."""
         self._end_plain_backward()
@@ -276,10 +296,12 @@ class Engine:
         self.gradients.reset(self.units, drop_grads=True)
         return meta
 
+    @_open_only
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Keys and shapes of `model.state_dict()`, trained values, on CPU; every rank calls it."""
         return full_state_dict(self.sharded)
 
+    @_open_only
     def export(self, path: str | os.PathLike, *, adapters_only: bool = False,
                max_shard_size: int = 5_000_000_000) -> None:
         """Streamed unit by unit; every rank calls it. `path` ending in `.safetensors`: one file of
@@ -310,6 +332,7 @@ class Engine:
         return plan.placed(self.place.kept)
 
     def close(self) -> None:
+        self._closed = True
         forget(self._exit_token)
         self._end_plain_backward()
         self.updates.close()

@@ -1,11 +1,14 @@
-"""A script that ends without `close()`, its updates and write-backs still in flight: it exits
-cleanly, and its swap files go (offload/exit_close.py)."""
+"""An engine's lifetime: a script that ends without `close()`, its updates and write-backs still in
+flight, exits cleanly and its swap files go (offload/exit_close.py); an engine used after
+`close()` says so."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+
+import outcore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,3 +56,23 @@ def test_a_script_that_never_closes_exits_cleanly_and_leaves_no_swap_file(tmp_pa
     assert "done" in res.stdout
     assert "Traceback" not in res.stderr and "cannot schedule" not in res.stderr, res.stderr[-3000:]
     assert not [n for n in os.listdir(nvme) if n.endswith(".swap")], os.listdir(nvme)
+
+
+def test_an_engine_used_after_close_says_it_was_closed(tmp_path):
+    from tests.runtime.models import TinyGPT, batches
+
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"))
+    engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+    (x, y), = batches(1)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
+    engine.close()  # twice is harmless
+    calls = {"__call__": lambda: engine(x, y), "step": engine.step, "full_state_dict": engine.full_state_dict,
+             "train_batch": lambda: engine.train_batch([(x, y)]),
+             "save_checkpoint": lambda: engine.save_checkpoint(str(tmp_path / "ckpt"), "t"),
+             "export": lambda: engine.export(str(tmp_path / "m.safetensors"))}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"Engine.{name}: this engine was closed.*build a new Engine"):
+            call()
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "m.safetensors").exists()
