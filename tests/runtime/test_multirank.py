@@ -77,11 +77,14 @@ def test_a_checkpoint_written_by_n_ranks_resumes_on_m_exactly(tmp_path, before, 
     assert_losses_match(first["losses"] + second["losses"], whole["losses"], rel=1e-4)
 
 
-@pytest.mark.parametrize("stage, params, optim", [(3, "nvme", "nvme"), (2, "none", "cpu")])
-def test_two_ranks_train_batch_equals_one_rank_accumulating_the_global_batch(tmp_path, stage, params, optim):
+@pytest.mark.parametrize("stage, params, optim, dtype", [(3, "nvme", "nvme", "fp32"), (2, "none", "cpu", "fp32"),
+                                                         (3, "nvme", "nvme", "bf16")])
+def test_two_ranks_train_batch_equals_one_rank_accumulating_the_global_batch(tmp_path, stage, params, optim, dtype):
+    """In bf16 each micro-batch's gradient is its own reduce-scatter (runtime/vertical.py): the ranks
+    run them in the same order, and train as plain PyTorch does to bf16's precision."""
     out = str(tmp_path / "result.json")
     cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
-           "grad_clip": 1.0, "sub_group_size": 1024}
+           "grad_clip": 1.0, "sub_group_size": 1024, "dtype": dtype}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", os.path.join(HERE, "dist_train_batch.py"), out, json.dumps(cfg), "3", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -89,7 +92,8 @@ def test_two_ranks_train_batch_equals_one_rank_accumulating_the_global_batch(tmp
     got = json.load(open(out))
     _, ref_model = twins(TinyGPT)
     ref = train_plain(ref_model, batches(6, batch=4), clip=1.0, accum=2)
-    assert_losses_match(got["losses"], ref, rel=1e-5)
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    assert_losses_match(got["losses"], ref, rel=tol)
     sd = torch.load(out + ".pt", weights_only=True)
     for k, v in ref_model.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(sd[k].float(), v, rtol=10 * tol, atol=tol, msg=k)
