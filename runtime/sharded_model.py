@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +21,31 @@ from outcore.runtime.update_stream import UpdateStream
 # that read their device and dtype from their first parameter (Hugging Face's `model.device`,
 # `model.dtype`, which `generate()` uses) find this zero-size one on the root instead.
 ANCHOR = "outcore_anchor"
+
+log = logging.getLogger(__name__)
+_TENSOR_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C descriptor AnchorParameter's `grad` wraps
+
+
+class AnchorParameter(nn.Parameter):
+    """The zero-size parameter `ANCHOR`. Its `.grad` is where a plain PyTorch habit looks for the
+    model's gradients (`clip_grad_norm_(model.parameters())`, `model.zero_grad()`) and finds none:
+    clipping would clip nothing without a word. So reading it says once in the log what to use."""
+
+    _said = False
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        if not AnchorParameter._said:
+            AnchorParameter._said = True
+            log.warning("a .grad of model.parameters() was read, but outcore's engine holds the model's weights "
+                        "and gradients itself: model.parameters() yields one empty anchor, so "
+                        "clip_grad_norm_(model.parameters()) clips nothing. Clip with Config.grad_clip (the norm "
+                        "is in engine.step()'s stats); engine.step() clears the gradients, no zero_grad() needed.")
+        return _TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _TENSOR_GRAD.__set__(self, value)
 
 
 class StateDictGuard:
@@ -69,8 +96,8 @@ class ShardedModel:
 
     def anchor(self, device: torch.device, dtype: torch.dtype) -> None:
         """Register the zero-size parameter of `ANCHOR` on the root module."""
-        self.model.register_parameter(ANCHOR, nn.Parameter(torch.empty(0, device=device, dtype=dtype),
-                                                           requires_grad=False))
+        self.model.register_parameter(ANCHOR, AnchorParameter(torch.empty(0, device=device, dtype=dtype),
+                                                              requires_grad=False))
 
     def guard_state_dict(self) -> None:
         """Put `guard` on every module that owns a parameter the engine took."""

@@ -93,3 +93,24 @@ def test_save_pretrained_fails_the_same_way_and_export_writes_the_model(tmp_path
     engine.export(str(tmp_path / "exported"))
     assert "model.safetensors" in os.listdir(tmp_path / "exported")
     engine.close()
+
+
+def test_clipping_model_parameters_says_once_that_it_clips_nothing(tmp_path, monkeypatch, caplog):
+    """`model.parameters()` yields only the empty anchor: a plain PyTorch clip over it finds no
+    gradient. That is said once in the log, naming Config.grad_clip, and training goes on."""
+    from outcore.runtime.sharded_model import AnchorParameter
+
+    monkeypatch.setattr(AnchorParameter, "_said", False)
+    model, engine = engine_for(tmp_path, stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=1.0)
+    assert [type(p) for p in model.parameters()] == [AnchorParameter]
+    norms = []
+    for x, y in batches(2, batch=2, vocab=128):
+        engine.backward(engine(x, y))
+        with caplog.at_level("WARNING", logger="outcore.runtime.sharded_model"):
+            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+            model.zero_grad()
+        norms.append(engine.step()["grad_norm"])
+    said = [r for r in caplog.records if "clips nothing" in r.getMessage()]
+    assert len(said) == 1 and "Config.grad_clip" in said[0].getMessage()
+    assert all(n is not None and n > 0 for n in norms)  # the engine's own norm and clip
+    engine.close()
