@@ -133,6 +133,15 @@ class Engine:
         self._exit_token = close_at_exit(self)  # closed before the interpreter stops its threads
         self._start(init_fn, seed, pretrained)
 
+    def train(self, mode: bool = True) -> Engine:
+        """The model's `train(mode)`, as on a DeepSpeed engine or a module: dropout and friends."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """The model's `eval()`."""
+        return self.train(False)
+
     @property
     def module(self) -> nn.Module:
         """The wrapped model. Called directly (under `torch.no_grad()`, or its `generate()`), it
@@ -276,9 +285,11 @@ class Engine:
         self.updates.drain()
 
     @_open_only
-    def save_checkpoint(self, directory: str, tag: str) -> str:
-        """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it."""
+    def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
+        """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it. `tag`:
+        the folder's name (None: `global_step<N>`, as DeepSpeed names it). Returns the folder."""
         self._end_plain_backward()
+        tag = f"global_step{self.global_step}" if tag is None else tag
         config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
                     "config": self.config.to_dict(),

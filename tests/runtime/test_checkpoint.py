@@ -124,3 +124,19 @@ def test_a_trained_engine_rolls_back_to_its_checkpoint(tmp_path, params, optim, 
     for k, v in saved.items():
         assert torch.equal(after[k], v), k
     e.close()
+
+
+def test_a_checkpoint_saved_without_a_tag_is_named_by_its_step(tmp_path):
+    """As DeepSpeed's `save_checkpoint(dir)`: the tag defaults to `global_step<N>`, and `latest` names it."""
+    data = batches(3)
+    _, engine = train_engine(None, None, data, engine=make(tmp_path, "a"))
+    folder = engine.save_checkpoint(str(tmp_path / "ckpt"))
+    assert folder == str(tmp_path / "ckpt" / "global_step3")
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == "global_step3"
+    weights = engine.full_state_dict()
+    engine.close()
+    other = make(tmp_path, "b")
+    assert other.load_checkpoint(str(tmp_path / "ckpt"))["tag"] == "global_step3"
+    for k, v in other.full_state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    other.close()

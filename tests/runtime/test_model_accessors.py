@@ -114,3 +114,18 @@ def test_clipping_model_parameters_says_once_that_it_clips_nothing(tmp_path, mon
     assert len(said) == 1 and "Config.grad_clip" in said[0].getMessage()
     assert all(n is not None and n > 0 for n in norms)  # the engine's own norm and clip
     engine.close()
+
+
+def test_engine_train_and_eval_set_the_model_mode(tmp_path):
+    """As on a DeepSpeed engine: `engine.eval()` turns dropout off (two forwards agree), `engine.train()` on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16))
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path))
+    engine = outcore.Engine(model, cfg, outcore.AdamW(lr=1e-3))
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        assert engine.eval() is engine and not model.training and not model[1].training
+        assert torch.equal(engine(x), engine(x))
+        assert engine.train() is engine and model.training and model[1].training
+        assert not torch.equal(engine(x), engine(x))
+    engine.close()
