@@ -74,7 +74,6 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-
 def _open_only(method: Callable[..., Any]) -> Callable[..., Any]:
     """An engine API call that needs the engine open: after `close()` it raises, saying so."""
     @functools.wraps(method)
