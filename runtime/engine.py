@@ -1,7 +1,8 @@
 """`outcore.Engine`: trains an ordinary nn.Module with ZeRO-sharded states paged through the store.
 
-This file composes the parts and runs the public loop; the gradient path (runtime/gradient_path.py)
-and the update stream (runtime/update_stream.py) are their own modules.
+This file composes the parts and runs the public loop; the start (runtime/engine_start.py), the
+gradient path (runtime/gradient_path.py) and the update stream (runtime/update_stream.py) are
+their own modules.
 
 The composition, in order: plan units → lay out flat shards → size the store → materialize and
 shard each unit → wire hooks. A training step is then the model's forward, `backward`, `step`:
@@ -25,36 +26,31 @@ import enum
 import functools
 import logging
 import os
-import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
-from outcore.offload import StorageFullError, Tier, TieredStore
+from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
+from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft, lora_init
+from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft
 from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
-from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.loss_scale import LossScaler
-from outcore.runtime.materialize import materialize_unit, recompute_buffers
-from outcore.runtime.memory_plan import MemoryPlan, UnitShape, plan_memory, unit_shapes
-from outcore.runtime.optimizer import AdamW, initial_state
-from outcore.runtime.policy import Placement, StatePolicy
-from outcore.runtime.pretrained import PretrainedWeights, model_name
+from outcore.runtime.memory_plan import MemoryPlan, plan_memory
+from outcore.runtime.optimizer import AdamW
+from outcore.runtime.policy import StatePolicy
+from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
-from outcore.runtime.units import UnitPlan, plan_layout, plan_units
+from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
 from outcore.runtime.vertical import (
     SavedActivations,
@@ -113,7 +109,8 @@ class Engine:
         if pretrained is not None:  # every name and shape checked before anything is written
             pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
-        self.store, self.place, self._owned_dir = self._open_store(_unit_shapes(plans, self.policy))
+        self.store, self.place, self._owned_dir = open_store(config, self.policy, self.device, self.group.rank,
+                                                             shapes_of(plans, self.policy))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
@@ -338,7 +335,7 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        plan = plan_memory(_unit_shapes([u.plan for u in self.units], self.policy), self.policy)
+        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy), self.policy)
         return plan.placed(self.place.kept)
 
     def close(self) -> None:
@@ -431,7 +428,8 @@ class Engine:
         """Materialize every unit into the store, then wire the hooks. A start that fails leaves no
         swap file filling the disk."""
         try:
-            self._materialize(init_fn, seed, pretrained)
+            lay_out_states(self.model, self.units, self.store, self.place, self.policy, self.device,
+                           self.group.rank, init_fn=init_fn, seed=seed, pretrained=pretrained)
         except BaseException:
             try:
                 self.close()
@@ -472,102 +470,3 @@ class Engine:
             self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
             if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
                 self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
-
-    def _open_store(self, shapes: list[UnitShape]) -> tuple[TieredStore, Placement, OwnedDir | None]:
-        """The store, sized from the memory plan, and the final placement (whether optimizer states
-        on NVMe are written back after each update depends on the host budget)."""
-        c = self.config
-        plan = plan_memory(shapes, self.policy)
-        device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget,
-                                                  psutil.virtual_memory().available)
-        if not self.policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
-            pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if self.device.type == "cpu" else 0)))
-        kept = plan.kept_units(host_budget)
-        plan = plan.placed(kept)
-        if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
-            assert c.nvme_dir is not None  # Config requires it with anything on NVMe
-            os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
-            free = shutil.disk_usage(c.nvme_dir).free
-            if free < plan.nvme.total:
-                raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
-        # Optimizer states the host budget has room for rest there: runtime/memory_plan.py
-        # [Note: kept optimizer states].
-        place = replace(self.policy.placement, kept=kept)
-        # Nothing rests on NVMe without an nvme_dir, but the store still wants a scratch folder.
-        owned = OwnedDir("outcore-") if c.nvme_dir is None else None
-        directory = owned.path if owned is not None else c.nvme_dir
-        assert directory is not None
-        try:
-            store = TieredStore(directory, self.device, device_budget, host_budget, c.io, rank=self.group.rank,
-                                prefetch_bytes=device_budget // 2)
-        except BaseException:
-            if owned is not None:
-                owned.remove()
-            raise
-        return store, place, owned
-
-    def _materialize(self, init_fn: Callable[[nn.Module], None] | None, seed: int,
-                     pretrained: PretrainedWeights | None) -> None:
-        """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
-        shard (the module's own copies are dropped). The buffers come first, onto the device: from
-        `pretrained` where it holds them, else recomputed when built on the meta device."""
-        names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
-        for module, prefix in names.items():
-            full = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
-            stored = {n: pretrained.tensors[model_name(f)] for n, f in full.items()
-                      if pretrained is not None and model_name(f) in pretrained.tensors}
-            recompute_buffers(self.model, prefix, module, init_fn, keep=set(stored))
-            for n in full:
-                buf = module._buffers[n]
-                assert buf is not None
-                if pretrained is not None and n in stored:
-                    buf = pretrained.read(stored[n], buf.dtype).to(buf.dtype)
-                module._buffers[n] = buf.to(self.device)
-        in_units = {m for u in self.units if u.plan.module is not self.model for m in u.plan.module.modules()}
-        loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
-        for unit in self.units:
-            materialize_unit(unit.plan, self.model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                             lora_init=lora_init(self.model))
-            self._shard(unit, pretrained)
-        if pretrained is not None:
-            pretrained.close()
-
-    def _shard(self, unit: FlatUnit, pretrained: PretrainedWeights | None) -> None:
-        """Flatten the unit's parameters (read from `pretrained` where it has them, else their own
-        values), keep this rank's shard, drop the originals."""
-        lay, rank, place = unit.layout, self.group.rank, self.place
-        flat32 = torch.zeros(lay.padded, dtype=torch.float32)
-        for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
-            stored = pretrained.find(slot) if pretrained is not None else None
-            if pretrained is not None and stored is not None:
-                value = pretrained.read(stored, torch.float32)
-            else:
-                module, name = slot.places[0]
-                param = module._parameters[name]
-                assert param is not None and not param.is_meta
-                value = param.detach()
-            flat32[off : off + slot.numel].copy_(value.reshape(-1))
-            del value
-        master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
-        for c in unit.chunks:
-            state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
-            self.store.put(c.opt_key, state, place.opt_home(unit.index), return_home=place.opt_returns_home(unit.index))
-        self.store.put(unit.param_key, master, place.param_tier, dtype=unit.dtype,
-                       return_home=place.param_returns_home)
-        del flat32, master
-        for slot in unit.plan.slots:
-            for module, name in slot.places:
-                del module._parameters[name]  # the flat buffer's views take their place
-            slot.param = None
-        unit.release_views()
-        if unit.resident:
-            if self.policy.aliased:
-                unit.alias_shard()
-            else:
-                unit.unshard()
-            unit.bind_views()
-
-
-def _unit_shapes(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
-    numels, layout = plan_layout(plans)
-    return unit_shapes(numels, policy, **layout)

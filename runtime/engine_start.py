@@ -1,0 +1,138 @@
+"""An engine's start: its store, sized from the memory plan, and the model's parameters laid into it
+unit by unit, as this rank's shards and their optimizer states.
+
+`Engine.__init__` calls these in order: `open_store` (budgets, the kept optimizer states, the NVMe
+space checked before a byte is written), then `lay_out_states` (buffers first, then each unit
+materialized, flattened, cut to this rank's shard and put in the store, its module's own copies
+dropped), and only then wires its hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import replace
+
+import psutil
+import torch
+from torch import nn
+
+from outcore.offload import StorageFullError, TieredStore
+from outcore.offload.owned_dir import OwnedDir
+from outcore.runtime.config import Config
+from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.hf_model import lora_init
+from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
+from outcore.runtime.materialize import materialize_unit, recompute_buffers
+from outcore.runtime.memory_plan import UnitShape, plan_memory, unit_shapes
+from outcore.runtime.optimizer import initial_state
+from outcore.runtime.policy import Placement, StatePolicy
+from outcore.runtime.pretrained import PretrainedWeights, model_name
+from outcore.runtime.units import UnitPlan, plan_layout
+
+
+def shapes_of(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
+    """The units' sizes as the memory plan counts them."""
+    numels, layout = plan_layout(plans)
+    return unit_shapes(numels, policy, **layout)
+
+
+def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: int,
+               shapes: list[UnitShape]) -> tuple[TieredStore, Placement, OwnedDir | None]:
+    """The store, sized from the memory plan, the final placement (whether optimizer states on NVMe
+    are written back after each update depends on the host budget), and the scratch folder made
+    for it where the config names no nvme_dir."""
+    c = config
+    plan = plan_memory(shapes, policy)
+    device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget, psutil.virtual_memory().available)
+    if not policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
+        pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if device.type == "cpu" else 0)))
+    kept = plan.kept_units(host_budget)
+    plan = plan.placed(kept)
+    if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
+        assert c.nvme_dir is not None  # Config requires it with anything on NVMe
+        os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
+        free = shutil.disk_usage(c.nvme_dir).free
+        if free < plan.nvme.total:
+            raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
+    # Optimizer states the host budget has room for rest there: runtime/memory_plan.py
+    # [Note: kept optimizer states].
+    place = replace(policy.placement, kept=kept)
+    # Nothing rests on NVMe without an nvme_dir, but the store still wants a scratch folder.
+    owned = OwnedDir("outcore-") if c.nvme_dir is None else None
+    directory = owned.path if owned is not None else c.nvme_dir
+    assert directory is not None
+    try:
+        store = TieredStore(directory, device, device_budget, host_budget, c.io, rank=rank,
+                            prefetch_bytes=device_budget // 2)
+    except BaseException:
+        if owned is not None:
+            owned.remove()
+        raise
+    return store, place, owned
+
+
+def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, place: Placement,
+                   policy: StatePolicy, device: torch.device, rank: int, *,
+                   init_fn: Callable[[nn.Module], None] | None, seed: int,
+                   pretrained: PretrainedWeights | None) -> None:
+    """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
+    shard (the module's own copies are dropped). The buffers come first, onto the device: from
+    `pretrained` where it holds them, else recomputed when built on the meta device."""
+    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    for module, prefix in names.items():
+        full = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
+        stored = {n: pretrained.tensors[model_name(f)] for n, f in full.items()
+                  if pretrained is not None and model_name(f) in pretrained.tensors}
+        recompute_buffers(model, prefix, module, init_fn, keep=set(stored))
+        for n in full:
+            buf = module._buffers[n]
+            assert buf is not None
+            if pretrained is not None and n in stored:
+                buf = pretrained.read(stored[n], buf.dtype).to(buf.dtype)
+            module._buffers[n] = buf.to(device)
+    in_units = {m for u in units if u.plan.module is not model for m in u.plan.module.modules()}
+    loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
+    for unit in units:
+        materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
+                         lora_init=lora_init(model))
+        _shard(unit, store, place, policy, rank, pretrained)
+    if pretrained is not None:
+        pretrained.close()
+
+
+def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePolicy, rank: int,
+           pretrained: PretrainedWeights | None) -> None:
+    """Flatten the unit's parameters (read from `pretrained` where it has them, else their own
+    values), keep this rank's shard, drop the originals."""
+    lay = unit.layout
+    flat32 = torch.zeros(lay.padded, dtype=torch.float32)
+    for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
+        stored = pretrained.find(slot) if pretrained is not None else None
+        if pretrained is not None and stored is not None:
+            value = pretrained.read(stored, torch.float32)
+        else:
+            module, name = slot.places[0]
+            param = module._parameters[name]
+            assert param is not None and not param.is_meta
+            value = param.detach()
+        flat32[off : off + slot.numel].copy_(value.reshape(-1))
+        del value
+    master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
+    for c in unit.chunks:
+        state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
+        store.put(c.opt_key, state, place.opt_home(unit.index), return_home=place.opt_returns_home(unit.index))
+    store.put(unit.param_key, master, place.param_tier, dtype=unit.dtype, return_home=place.param_returns_home)
+    del flat32, master
+    for slot in unit.plan.slots:
+        for module, name in slot.places:
+            del module._parameters[name]  # the flat buffer's views take their place
+        slot.param = None
+    unit.release_views()
+    if unit.resident:
+        if policy.aliased:
+            unit.alias_shard()
+        else:
+            unit.unshard()
+        unit.bind_views()
