@@ -6,7 +6,8 @@ concurrent.futures stops accepting work and joins every pool's threads, so such 
 fails ("cannot schedule new futures after interpreter shutdown") or waits for ever on a move that
 will not run, and the swap file stays on disk. What is registered here is closed first, newest
 first (an engine before the store it owns), through the hook concurrent.futures itself uses; its
-hooks run in reverse order of registration, and ours is registered after its own.
+hooks run in reverse order of registration, and ours is registered after its own. A forked child
+closes nothing of its parent's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import itertools
 import logging
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -57,6 +59,18 @@ def _close_all() -> None:
         except Exception as e:  # noqa: BLE001 - exiting anyway: say so, and close the rest
             log.warning("closing %s at exit failed: %s", type(obj).__name__, e)
 
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker) holds copies of its parent's engines and stores, and
+    # Python runs the hook below as it exits too: closing those copies would delete the parent's
+    # swap file and lock. They are the parent's to close.
+    global _lock
+    _lock = threading.Lock()  # (another thread may have held it at the fork)
+    _open.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 # `threading._register_atexit` runs before non-daemon threads are joined, where concurrent.futures
 # registers its own shutdown; plain atexit runs only after that.

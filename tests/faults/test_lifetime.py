@@ -1,6 +1,7 @@
 """An engine's lifetime: a script that ends without `close()`, its updates and write-backs still in
-flight, exits cleanly and its swap files go (offload/exit_close.py); an engine used after
-`close()` says so."""
+flight, exits cleanly and its swap files go (offload/exit_close.py), while the forked DataLoader
+workers of one that goes on close nothing of their parent's; an engine used after `close()` says
+so."""
 
 import os
 import subprocess
@@ -56,6 +57,33 @@ def test_a_script_that_never_closes_exits_cleanly_and_leaves_no_swap_file(tmp_pa
     assert "done" in res.stdout
     assert "Traceback" not in res.stderr and "cannot schedule" not in res.stderr, res.stderr[-3000:]
     assert not [n for n in os.listdir(nvme) if n.endswith(".swap")], os.listdir(nvme)
+
+
+FORKED_WORKERS = r"""
+import os, sys, torch, outcore
+from tests.runtime.models import TinyGPT, batches
+nvme = sys.argv[1]
+cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=nvme)
+engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+data = batches(4)
+loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2, multiprocessing_context="fork")
+for epoch in range(2):  # the workers exit at the end of each epoch
+    for x, y in loader:
+        engine.backward(engine(x, y))
+        engine.step()
+    print(sorted(os.listdir(nvme)), flush=True)
+engine.close()
+print(sorted(os.listdir(nvme)))
+"""
+
+
+def test_forked_dataloader_workers_leave_their_parents_swap_file_alone(tmp_path):
+    nvme = tmp_path / "nvme"
+    res = subprocess.run([sys.executable, "-c", FORKED_WORKERS, str(nvme)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:3] == ["['rank0.lock', 'rank0.swap']"] * 2 + ["[]"], res.stdout
+    assert "at exit failed" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_an_engine_used_after_close_says_it_was_closed(tmp_path):
