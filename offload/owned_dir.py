@@ -41,11 +41,12 @@ class OwnedDir:
         self._fd: int | None = os.open(os.path.join(self.path, OWNER_LOCK),
                                        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        self._pid = os.getpid()
+        os.pwrite(self._fd, f"{self._pid}\n".encode(), 0)
         atexit.register(self.remove)  # a script that ends without closing its engine leaves nothing
 
     def remove(self) -> None:
-        if self._fd is None:
+        if self._fd is None or os.getpid() != self._pid:  # a forked child's copy: the folder is its parent's
             return
         shutil.rmtree(self.path, ignore_errors=True)  # while still held: no sweep can race it
         os.close(self._fd)

@@ -104,3 +104,29 @@ def test_an_engine_used_after_close_says_it_was_closed(tmp_path):
         with pytest.raises(RuntimeError, match=rf"Engine.{name}: this engine was closed.*build a new Engine"):
             call()
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "m.safetensors").exists()
+
+
+FORKED_CHILD = r"""
+import os, sys, outcore
+from tests.runtime.models import TinyGPT, batches
+cfg = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu")  # no nvme_dir: a scratch folder
+engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+scratch = os.path.dirname(engine.store._swap.path)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: atexit and the thread-exit hooks run in the child
+os.waitpid(pid, 0)
+print(os.path.isdir(scratch), flush=True)
+(x, y), = batches(1)
+engine.backward(engine(x, y))
+engine.step()
+engine.close()
+print(os.path.isdir(scratch))
+"""
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_scratch_folder(tmp_path):
+    res = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True", "False"], res.stdout + res.stderr[-2000:]
