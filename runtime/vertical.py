@@ -104,20 +104,21 @@ class VerticalBatch:
         self.shared_views = shared_views
         self.bound: set[int] = set()  # units whose views serve every micro-batch of this batch
         self._ends: dict[tuple[str, int], int] = {}
-        # Without shared views: each micro-batch's own views of each unit, by (unit, micro-batch).
-        self._views: dict[tuple[int, int], tuple[FlatUnit, list[torch.Tensor]]] = {}
+        # Without shared views: each micro-batch's own views of each unit, by micro-batch and unit.
+        self._views: list[dict[int, tuple[FlatUnit, list[torch.Tensor]]]] = [{} for _ in range(count)]
 
     def keep_views(self, unit: FlatUnit, views: list[torch.Tensor]) -> None:
         """`views` are the running micro-batch's views of `unit`."""
         assert self.turns.current is not None
-        self._views[(unit.index, self.turns.current)] = (unit, views)
+        self._views[self.turns.current][unit.index] = (unit, views)
 
     def resume(self) -> None:
         """The running micro-batch has the turn again: its own views go back into the modules'
         attributes of every unit still gathered, such as the root, whose forward spans all turns
         (the other micro-batches bound theirs meanwhile)."""
-        for (_, micro_batch), (unit, views) in self._views.items():
-            if micro_batch == self.turns.current and unit.views_bound:
+        assert self.turns.current is not None
+        for unit, views in self._views[self.turns.current].values():
+            if unit.views_bound:
                 unit.point_at(views)
 
     def last_of(self, moment: str, unit: int) -> bool:
