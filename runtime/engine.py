@@ -70,16 +70,18 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-def _open_only(method: Callable[..., Any]) -> Callable[..., Any]:
-    """An engine API call that needs the engine open: after `close()` it raises, saying so."""
+def _engine_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An engine API call: refused, saying so, after `close()`; else it first ends the micro-step of
+    a plain `loss.backward()` the caller ran before it (`Engine._in_backward`)."""
     @functools.wraps(method)
-    def checked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+    def call(self: Engine, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"Engine.{method.__name__}: this engine was closed, and its parameters and "
                                "optimizer states went with its store; build a new Engine (load_checkpoint "
                                "restores a saved run into it).")
+        self._end_plain_backward()
         return method(self, *args, **kwargs)
-    return checked
+    return call
 
 
 class Engine:
@@ -146,9 +148,8 @@ class Engine:
 
     # -- the training loop's API ------------------------------------------------------------------
 
-    @_open_only
+    @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._end_plain_backward()
         self.phase = Phase.FORWARD
         try:
             return self.model(*args, **kwargs)
@@ -158,11 +159,10 @@ class Engine:
                 self._reshard_all()
                 self.trace.discard_step()
 
-    @_open_only
+    @_engine_call
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
-        self._end_plain_backward()
         self.phase = Phase.BACKWARD
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -192,13 +192,14 @@ class Engine:
         self._plain_backward = True
 
     def _end_plain_backward(self) -> None:
-        """The engine is called again after a plain `loss.backward()`: its micro-step ends here."""
+        """The engine is called again after a plain `loss.backward()` (`_engine_call`, `close`): its
+        micro-step ends here."""
         if self._plain_backward:
             self._plain_backward = False
             self.phase = Phase.IDLE
             self._end_micro_step()
 
-    @_open_only
+    @_engine_call
     def train_batch(self, micro_batches: Sequence[Any],
                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
         """K micro-batches as one optimizer step, each unit gathered once in forward and once in
@@ -207,7 +208,6 @@ class Engine:
         the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
         equals K forward/backward calls and a step with `grad_accumulation=K`. Returns `step()`'s
         stats plus "losses" (K floats)."""
-        self._end_plain_backward()
         count = len(micro_batches)
         if count == 0:
             raise ValueError("train_batch needs at least one micro-batch.")
@@ -247,10 +247,9 @@ class Engine:
         stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats
 
-    @_open_only
+    @_engine_call
     def step(self) -> dict[str, Any]:
         """Apply the update at the end of an accumulation window; a no-op before it."""
-        self._end_plain_backward()
         if not self.gradients.window_complete:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
@@ -280,11 +279,10 @@ class Engine:
         for timing a step whole, or for reading the store directly."""
         self.updates.drain()
 
-    @_open_only
+    @_engine_call
     def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it. `tag`:
         the folder's name (None: `global_step<N>`, as DeepSpeed names it). Returns the folder."""
-        self._end_plain_backward()
         tag = f"global_step{self.global_step}" if tag is None else tag
         config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
@@ -292,10 +290,9 @@ class Engine:
                     "hf_config": config.to_dict() if config is not None else None}  # type: ignore[attr-defined]
         return save_checkpoint(self.sharded, directory, tag, progress)
 
-    @_open_only
+    @_engine_call
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
         """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest)."""
-        self._end_plain_backward()
         meta = load_checkpoint(self.sharded, directory, tag)
         self.global_step = int(meta["step"])
         self.lr = float(meta["lr"])
@@ -303,12 +300,12 @@ class Engine:
         self.gradients.reset(self.units, drop_grads=True)
         return meta
 
-    @_open_only
+    @_engine_call
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Keys and shapes of `model.state_dict()`, trained values, on CPU; every rank calls it."""
         return full_state_dict(self.sharded)
 
-    @_open_only
+    @_engine_call
     def export(self, path: str | os.PathLike, *, adapters_only: bool = False,
                max_shard_size: int = 5_000_000_000) -> None:
         """Streamed unit by unit; every rank calls it. `path` ending in `.safetensors`: one file of

@@ -13,6 +13,14 @@ import outcore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def run_script(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter from the repository root; asserts it exited 0."""
+    res = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
 # Every swap-file write is slowed, so the last step's updates are surely still running at exit.
 SLOW_WRITES = r"""
 import sys, time
@@ -51,9 +59,7 @@ print("puts done", flush=True)
 @pytest.mark.parametrize("script", [ENGINE, STORE], ids=["engine", "store"])
 def test_a_script_that_never_closes_exits_cleanly_and_leaves_no_swap_file(tmp_path, script):
     nvme = tmp_path / "nvme"
-    res = subprocess.run([sys.executable, "-c", script, str(nvme)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script(script, str(nvme))
     assert "done" in res.stdout
     assert "Traceback" not in res.stderr and "cannot schedule" not in res.stderr, res.stderr[-3000:]
     assert not [n for n in os.listdir(nvme) if n.endswith(".swap")], os.listdir(nvme)
@@ -79,9 +85,7 @@ print(sorted(os.listdir(nvme)))
 
 def test_forked_dataloader_workers_leave_their_parents_swap_file_alone(tmp_path):
     nvme = tmp_path / "nvme"
-    res = subprocess.run([sys.executable, "-c", FORKED_WORKERS, str(nvme)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script(FORKED_WORKERS, str(nvme))
     assert res.stdout.split("\n")[:3] == ["['rank0.lock', 'rank0.swap']"] * 2 + ["[]"], res.stdout
     assert "at exit failed" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
@@ -126,7 +130,5 @@ print(os.path.isdir(scratch))
 
 
 def test_a_forked_child_that_exits_leaves_its_parents_scratch_folder(tmp_path):
-    res = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script(FORKED_CHILD, env={"TMPDIR": str(tmp_path)})
     assert res.stdout.split() == ["True", "False"], res.stdout + res.stderr[-2000:]
