@@ -111,12 +111,12 @@ class Engine:
         if pretrained is not None:  # every name and shape checked before anything is written
             pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
-        self.store, self.place, self._owned_dir = open_store(config, self.policy, self.device, self.group.rank,
-                                                             shapes_of(plans, self.policy))
+        self.store, self.place, read_ahead, self._owned_dir = open_store(config, self.policy, self.device,
+                                                                         self.group.rank, shapes_of(plans, self.policy))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
-                                    prefetch_depth=config.prefetch_depth, nice=config.io.nice)
+                                    read_ahead=read_ahead, nice=config.io.nice)
         work_device = self.device if self.place.work_tier == Tier.DEVICE else torch.device("cpu")
         self.gradients = GradientPath(self.store, self.policy, self.place, self.group, self.scaler, self.updates,
                                       device=self.device, work_device=work_device)

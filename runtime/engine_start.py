@@ -39,16 +39,17 @@ def shapes_of(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
 
 
 def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: int,
-               shapes: list[UnitShape]) -> tuple[TieredStore, Placement, OwnedDir | None]:
+               shapes: list[UnitShape]) -> tuple[TieredStore, Placement, int, OwnedDir | None]:
     """The store, sized from the memory plan, the final placement (whether optimizer states on NVMe
-    are written back after each update depends on the host budget), and the scratch folder made
-    for it where the config names no nvme_dir."""
+    are written back after each update depends on the host budget), how many optimizer chunks an
+    update reads ahead (so does that), and the scratch folder made for it where the config names
+    no nvme_dir."""
     c = config
     plan = plan_memory(shapes, policy)
     device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget, psutil.virtual_memory().available)
     if not policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
         pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if device.type == "cpu" else 0)))
-    kept = plan.kept_units(host_budget)
+    kept, read_ahead = plan.kept_units(host_budget), plan.read_ahead(host_budget)
     plan = plan.placed(kept)
     if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
         assert c.nvme_dir is not None  # Config requires it with anything on NVMe
@@ -70,7 +71,7 @@ def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: 
         if owned is not None:
             owned.remove()
         raise
-    return store, place, owned
+    return store, place, read_ahead, owned
 
 
 def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, place: Placement,

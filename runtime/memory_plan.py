@@ -24,6 +24,9 @@ from dataclasses import dataclass, replace
 from outcore.runtime.policy import HANDED_OVER, StatePolicy, padded_numel
 
 PAGE = 4096
+# Bytes of optimizer states an update streaming from NVMe keeps on their way where the host budget
+# has room for them: [Note: optimizer read-ahead].
+READ_AHEAD_BYTES = 96 << 20
 
 
 def _pages(nbytes: int) -> int:
@@ -82,6 +85,18 @@ class MemoryPlan:
     optimizer_on_nvme: bool = False
     unit_states: tuple[int, ...] = ()  # each unit's optimizer-state bytes, by unit index (0: frozen)
     entry: tuple[int, ...] = ()  # the units whose updates backward cannot hide (see `plan_memory`)
+    # Optimizer chunks an update reads ahead: at the least (`host_min` counts that) and with room
+    # (the host runtime counts that); see `read_ahead`.
+    read_ahead_least: int = 1
+    read_ahead_ample: int = 1
+
+    # [Note: optimizer read-ahead] An update streaming its optimizer states from NVMe reads the next
+    # chunks' states while it updates one, and the disk is busy only while reads and write-backs
+    # are queued. `prefetch_depth` chunks of the reference GPT (2 x 16 MB) left it idle between
+    # them at default budgets, and backward waited on the updates; chunks worth READ_AHEAD_BYTES
+    # took 4% off the step (docs/benchmarks.md). Under a host budget short of the plan's HOST
+    # bytes the same read-ahead cost more than it gained: it evicted what the step read again
+    # (256 MiB budgets: 7% more bytes read, a slower step), so there it stays at `prefetch_depth`.
 
     # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
     # in HOST instead, where the host budget has room beside this plan's HOST bytes: the entry
@@ -97,6 +112,11 @@ class MemoryPlan:
     def entry_states(self) -> int:
         """Bytes of the entry units' optimizer states, where they would rest on NVMe."""
         return sum(self.unit_states[i] for i in self.entry) if self.optimizer_on_nvme else 0
+
+    def read_ahead(self, host_budget: int) -> int:
+        """Optimizer chunks an update reads ahead under `host_budget`: [Note: optimizer read-ahead]."""
+        room = host_budget - (self.host.states + self.host.runtime)
+        return self.read_ahead_ample if room >= 0 else self.read_ahead_least
 
     def kept_units(self, host_budget: int) -> frozenset[int]:
         """The units whose optimizer states rest in HOST under `host_budget`: the entry units, then
@@ -218,14 +238,16 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         where["cpu" if params_on == "nvme" else params_on]["runtime"] += largest_unit
     elif not aliased and device_type != "cpu" and params_on != work_name:
         where[work_name]["runtime"] += largest_unit
+    ample = depth  # optimizer chunks read ahead with room: more only when streamed from NVMe
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":
         # Read ahead, update, write back: `depth` chunks on the way, past a unit's end into the
         # next unit's (during backward, the unit expected next: runtime/update_stream.py).
-        window = (depth + 1) * (_pages(chunk * state_elem) + PAGE)
-        host["runtime"] += window
-        host_min += window
+        chunk_states = _pages(chunk * state_elem) + PAGE
+        ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), len(flat)))
+        host["runtime"] += (ample + 1) * chunk_states
+        host_min += (depth + 1) * chunk_states
     else:
         host_min += state_all
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
@@ -238,4 +260,4 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     entry = tuple(i for i, root in enumerate(roots) if root) + tuple(outer or others[:1])
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
                       optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme", unit_states=unit_states,
-                      entry=entry)
+                      entry=entry, read_ahead_least=depth, read_ahead_ample=ample)

@@ -31,9 +31,9 @@ class UpdateStream:
     """Owns the optimizer thread, the updates in flight and the units' step counts."""
 
     def __init__(self, units: list[FlatUnit], store: TieredStore, place: Placement, hp: AdamW, *,
-                 prefetch_depth: int, nice: int) -> None:
+                 read_ahead: int, nice: int) -> None:
         self.units, self.store, self.place, self.hp = units, store, place, hp
-        self.depth = max(1, prefetch_depth)
+        self.depth = max(1, read_ahead)  # chunks: runtime/memory_plan.py [Note: optimizer read-ahead]
         self.steps = [0] * len(units)  # optimizer updates each unit has taken
         self.seconds = 0.0  # time spent in updates, either way in
         self._thread = background_pool(1, "outcore-optim", nice)

@@ -4,6 +4,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import itertools
+import threading
 
 import pytest
 import torch
@@ -139,6 +140,39 @@ def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
     assert s["evictions"] > 0 and s["host"]["peak"] <= plan.host_min and s["device"]["peak"] <= plan.device_min
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
+
+
+@pytest.mark.parametrize(("tight", "clip"), [(False, None), (True, None), (False, 1.0)])
+def test_updates_read_ahead_more_chunks_where_the_host_budget_has_room(tmp_path, tight, clip):
+    """[Note: optimizer read-ahead]: the optimizer thread asks for READ_AHEAD_BYTES of states
+    ahead (here every chunk) under derived budgets, `prefetch_depth` chunks under the least;
+    overlapped or after backward (clipping), with the same numbers."""
+    def build(**budgets):
+        return outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                              sub_group_size=1024, prefetch_depth=2, grad_clip=clip, **budgets)
+
+    ours_model, ref_model = twins(TinyGPT)
+    probe = outcore.Engine(copy.deepcopy(ours_model), build())
+    plan = probe.memory_plan()
+    probe.close()
+    engine = outcore.Engine(ours_model, build(host_budget=plan.host_min) if tight else build(), outcore.AdamW(**HP))
+    ahead = []  # optimizer-state chunks each prefetch of the optimizer thread asked for
+    real = engine.store.prefetch
+
+    def spy(keys, tier=Tier.DEVICE):
+        keys = list(keys)
+        if threading.current_thread().name.startswith("outcore-optim"):
+            ahead.append(sum(".opt" in k for k in keys))
+        real(keys, tier)
+
+    engine.store.prefetch = spy
+    data = batches(6)
+    ours, engine = train_engine(ours_model, None, data, engine=engine)
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    chunks = sum(len(u.chunks) for u in engine.units)
+    engine.close()
+    assert plan.read_ahead_least == 2 and plan.read_ahead_ample == chunks > 8
+    assert max(ahead) == 2 if tight else max(ahead) > 2
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])

@@ -94,6 +94,24 @@ def test_a_host_budget_with_room_keeps_the_optimizer_states_of_the_units_the_for
     assert plan_memory(shapes(shards), policy(offload_optimizer="cpu")).kept_units(1 << 40) == frozenset()
 
 
+def test_updates_read_ahead_further_only_where_the_host_budget_holds_the_plan():
+    # [Note: optimizer read-ahead]: 8 chunks of 4 Mi elements, 32 MiB of [m|v] each.
+    plan = plan_memory(shapes([(1 << 22) * 4, (1 << 22) * 4]), policy(clipping=False))
+    chunk = 8 * (1 << 22) + PAGE
+    assert (plan.read_ahead_least, plan.read_ahead_ample) == (2, 3)  # 96 MiB in whole chunks
+    shallow = plan_memory(shapes([(1 << 22) * 4, (1 << 22) * 4]), policy(clipping=False, prefetch_depth=1))
+    assert plan.host_min - shallow.host_min == chunk  # the least counts prefetch_depth chunks
+    assert plan.host.runtime - shallow.host.runtime == 0  # with room, READ_AHEAD_BYTES either way
+    base = plan.host.states + plan.host.runtime
+    assert plan.read_ahead(base) == 3 and plan.read_ahead(base - 1) == 2
+    _, host = plan.budgets(None, None, available=1 << 40)
+    assert plan.read_ahead(host) == 3 and plan.read_ahead(plan.host_min) == 2
+    # No more chunks ahead than there are; states in HOST are not streamed, so no read-ahead.
+    tiny = plan_memory(shapes([4096, 4096, 1024]), policy(clipping=False))
+    assert tiny.read_ahead_ample == 3
+    assert plan_memory(shapes([4096, 1024]), policy(offload_optimizer="cpu")).read_ahead_ample == 2
+
+
 def test_the_plan_counts_states_where_they_rest_by_hand():
     shards = [8192, 8192, 4096]  # elements (whole pages in fp32)
     plan = plan_memory(shapes(shards), policy())

@@ -63,7 +63,7 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
     # chunks read ahead of a small one are small too.
     host, planned = s["host"]["peak"], plan.host.states + plan.host.runtime
     updated = sum(round_up(4 * n) for n in unit_numels(source)) if params == "nvme" else 0
-    read_ahead = 2 * (round_up(8 * max(unit_numels(source))) + 4096) if opt == "nvme" else 0
+    read_ahead = plan.read_ahead_ample * (round_up(8 * max(unit_numels(source))) + 4096) if opt == "nvme" else 0
     assert host <= planned, (s["host"], plan.host)
     assert _within(host, planned) or host >= 0.9 * (planned - updated - read_ahead), (s["host"], plan.host)
     assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
