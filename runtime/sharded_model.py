@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,18 +25,20 @@ ANCHOR = "outcore_anchor"
 
 log = logging.getLogger(__name__)
 _TENSOR_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C descriptor AnchorParameter's `grad` wraps
+_MODULE_APPLY = nn.Module._apply.__code__  # model.to(), .float(), ...: moves every parameter's .grad too
 
 
 class AnchorParameter(nn.Parameter):
     """The zero-size parameter `ANCHOR`. Its `.grad` is where a plain PyTorch habit looks for the
     model's gradients (`clip_grad_norm_(model.parameters())`, `model.zero_grad()`) and finds none:
-    clipping would clip nothing without a word. So reading it says once in the log what to use."""
+    clipping would clip nothing without a word. So reading it says once in the log what to use;
+    not where `model.to()` reads it to move it, which is no sign of that habit."""
 
     _said = False
 
     @property
     def grad(self) -> torch.Tensor | None:
-        if not AnchorParameter._said:
+        if not AnchorParameter._said and sys._getframe(1).f_code is not _MODULE_APPLY:
             AnchorParameter._said = True
             log.warning("a .grad of model.parameters() was read, but outcore's engine holds the model's weights "
                         "and gradients itself: model.parameters() yields one empty anchor, so "
