@@ -242,8 +242,9 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]
     elif opt_on == "nvme":
-        # Read ahead, update, write back: `depth` chunks on the way, past a unit's end into the
-        # next unit's (during backward, the unit expected next: runtime/update_stream.py).
+        # Read ahead, update, write back: chunks on the way past a unit's end into the next unit's
+        # (during backward, the unit expected next: runtime/update_stream.py); `depth` of them at
+        # the least, READ_AHEAD_BYTES' worth with room ([Note: optimizer read-ahead]).
         chunk_states = _pages(chunk * state_elem) + PAGE
         ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), len(flat)))
         host["runtime"] += (ample + 1) * chunk_states
