@@ -3,7 +3,7 @@
     python -m outcore.tools.bench_engine optimizer [--params 100M] [--repeats 5]
     python -m outcore.tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
                                       [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip] [--accumulate K]
-                                      [--budget 256M] [--host-budget SIZE] [--checkpoint] [--no-fio]
+                                      [--budget 256M|derived] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
 no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe), and
@@ -193,6 +193,10 @@ def _disk_reference(folder: str, seconds: float = 5.0) -> dict | None:
     return {"kind": "fio-mixed", "read_Bps": rd, "write_Bps": wr}
 
 
+def _budget(text: str) -> int | None:
+    return None if text == "derived" else parse_size(text)
+
+
 def _child(args: list[str]) -> dict:
     res = subprocess.run([sys.executable, "-m", "outcore.tools.bench_engine", "_run", *args],
                          capture_output=True, text=True)
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, default=8)
     s.add_argument("--rounds", type=int, default=1)
     s.add_argument("--dir", default=".", help="where the NVMe swap files go")
-    s.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
+    s.add_argument("--budget", type=_budget, default=256 << 20,
+                   help="DEVICE and HOST budget each, or 'derived': the engine's own from the machine")
     s.add_argument("--host-budget", type=parse_size, help="HOST budget, if not --budget")
     s.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (every kind)")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(reference)
         plain = statistics.median(r["step_s"] for r in results if r["kind"] == kinds[0])
         disk = [r for r in results if r["kind"] == "fio-mixed"]
-        budgets = human_bytes(args.budget) + (f" / {human_bytes(args.host_budget)}" if args.host_budget else "")
+        budgets = human_bytes(args.budget) if args.budget is not None else "derived"
+        budgets += f" / {human_bytes(args.host_budget)}" if args.host_budget else ""
         ckpt = ", activation checkpointing" if args.checkpoint else ""
         accum = f", {args.accumulate} micro-batches per step" if args.accumulate > 1 else ""
         print(f"{args.preset}, batch {args.batch}{accum}, {args.dtype}{ckpt}, NVMe-run budgets {budgets}; "

@@ -1,0 +1,24 @@
+"""`python -m outcore.tools.bench_engine step`: each kind in its own process, under the budgets asked for."""
+
+import json
+
+from outcore.tools import bench_engine
+
+
+def _step(tmp_path, budget: str) -> list[dict]:
+    out = tmp_path / f"step-{budget}.json"
+    assert bench_engine.main(["step", "--preset", "tiny", "--batch", "1", "--steps", "2", "--kinds", "plain,nvme-noclip",
+                              "--budget", budget, "--no-fio", "--dir", str(tmp_path / "nvme"), "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_step_against_plain_under_given_or_derived_budgets(tmp_path, capsys):
+    plain, tight = _step(tmp_path, "8M")
+    assert "NVMe-run budgets 8.0 MiB;" in capsys.readouterr().out
+    _, derived = _step(tmp_path, "derived")
+    assert "NVMe-run budgets derived;" in capsys.readouterr().out
+    assert (plain["kind"], tight["kind"], derived["kind"]) == ("plain", "nvme-noclip", "nvme-noclip")
+    assert plain["step_s"] > 0 and tight["step_s"] > 0 and derived["step_s"] > 0
+    # The derived budgets hold what 8 MiB each cannot, so a step reads less from the disk.
+    assert tight["read_bytes_per_step"] > derived["read_bytes_per_step"]
+    assert not list((tmp_path / "nvme").iterdir())  # the runs' swap folders are gone
