@@ -7,8 +7,9 @@ from outcore.tools import bench_engine
 
 def _step(tmp_path, budget: str) -> list[dict]:
     out = tmp_path / f"step-{budget}.json"
-    assert bench_engine.main(["step", "--preset", "tiny", "--batch", "1", "--steps", "2", "--kinds", "plain,nvme-noclip",
-                              "--budget", budget, "--no-fio", "--dir", str(tmp_path / "nvme"), "--json", str(out)]) == 0
+    assert bench_engine.main(["step", "--preset", "tiny", "--batch", "1", "--steps", "2",
+                              "--kinds", "plain,nvme-noclip", "--budget", budget, "--no-fio",
+                              "--dir", str(tmp_path / "nvme"), "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
