@@ -94,9 +94,10 @@ class MemoryPlan:
     # chunks' states while it updates one, and the disk is busy only while reads and write-backs
     # are queued. `prefetch_depth` chunks of the reference GPT (2 x 16 MB) left it idle between
     # them at default budgets, and backward waited on the updates; chunks worth READ_AHEAD_BYTES
-    # took 4% off the step (docs/benchmarks.md). Under a host budget short of the plan's HOST
-    # bytes the same read-ahead cost more than it gained: it evicted what the step read again
-    # (256 MiB budgets: 7% more bytes read, a slower step), so there it stays at `prefetch_depth`.
+    # took 4% off the step, while with 32 MB chunks 2 were already as good: it is the bytes ahead
+    # that count (docs/benchmarks.md). Under a host budget short of the plan's HOST bytes the same
+    # read-ahead cost more than it gained: it evicted what the step read again (256 MiB budgets:
+    # 7% more bytes read, a slower step), so there it stays at `prefetch_depth`.
 
     # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
     # in HOST instead, where the host budget has room beside this plan's HOST bytes: the entry
