@@ -114,17 +114,20 @@ class MemoryPlan:
         """Bytes of the entry units' optimizer states, where they would rest on NVMe."""
         return sum(self.unit_states[i] for i in self.entry) if self.optimizer_on_nvme else 0
 
+    def room(self, host_budget: int) -> int:
+        """What `host_budget` leaves beside this plan's HOST bytes (negative: short of them)."""
+        return host_budget - (self.host.states + self.host.runtime)
+
     def read_ahead(self, host_budget: int) -> int:
         """Optimizer chunks an update reads ahead under `host_budget`: [Note: optimizer read-ahead]."""
-        room = host_budget - (self.host.states + self.host.runtime)
-        return self.read_ahead_ample if room >= 0 else self.read_ahead_least
+        return self.read_ahead_ample if self.room(host_budget) >= 0 else self.read_ahead_least
 
     def kept_units(self, host_budget: int) -> frozenset[int]:
         """The units whose optimizer states rest in HOST under `host_budget`: the entry units, then
         the others in unit order, as long as each fits in what the budget leaves."""
         if not self.optimizer_on_nvme:
             return frozenset()
-        room = host_budget - (self.host.states + self.host.runtime)
+        room = self.room(host_budget)
         kept: list[int] = []
         for i in [*self.entry, *(i for i in range(len(self.unit_states)) if i not in self.entry)]:
             if self.unit_states[i] > room:
