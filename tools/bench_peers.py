@@ -7,7 +7,8 @@ outcore and DeepSpeed both keep parameters and optimizer states on NVMe (`--dir`
 clipping, each with its default budgets; plain PyTorch keeps everything in memory. Each run is its
 own process, the kinds are interleaved over `--rounds`, and the table gives medians: seconds per
 step (after a warm-up step), the ratio to plain, peak RSS, and the bytes the process read and
-wrote on the disk per step (the kernel's count, the same for all three).
+wrote on the disk per step (the kernel's count, the same for all three); then each kind's ratio
+to the first, round by round.
 
 DeepSpeed is not a dependency of outcore. Where `import deepspeed` works, it runs; else its row
 says so. It needs libaio's headers to build its NVMe op (`apt install libaio-dev`, then
@@ -147,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset}, batch {args.batch}, fp32, no clipping, {args.steps} steps after a warm-up, medians of "
           f"{args.rounds} interleaved rounds; ratios to {kinds[0]}:")
     table(["kind", "s/step", "ratio", "peak RSS", "disk read/step", "disk written/step"], rows)
+    # The machine is shared: how far the ratio swings from round to round says what its median is worth.
+    by_round = {(x["kind"], x["round"]): x["step_s"] for x in results if "step_s" in x}
+    for kind in kinds[1:]:
+        ratios = [f"{by_round[kind, r] / by_round[kinds[0], r]:.2f}" for r in range(args.rounds)
+                  if (kind, r) in by_round and (kinds[0], r) in by_round]
+        if ratios:
+            print(f"  {kind} / {kinds[0]}, round by round: {' '.join(ratios)}")
     write_json(args.json, {"results": results, "kinds": kinds})
     return 0
 
