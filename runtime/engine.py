@@ -366,10 +366,10 @@ class Engine:
             views = unit.bind_views()
             if self.phase is not Phase.BACKWARD and torch.is_grad_enabled():
                 self.gradients.ran(unit)
-            if batch is not None:
+            if batch is not None and batch.shared_views:
                 batch.bound.add(unit.index)
-                if not batch.shared_views and batch.turns.current is not None:
-                    batch.keep_views(unit, views)
+            elif batch is not None and batch.turns.current is not None:
+                batch.keep_views(unit, views)
 
     def unit_forward_end(self, unit: FlatUnit) -> None:
         # ZeRO-3: the full parameters exist only while the unit runs (or, recomputed under

@@ -102,7 +102,7 @@ class VerticalBatch:
         self.count = count
         self.turns = Turns(count)
         self.shared_views = shared_views
-        self.bound: set[int] = set()  # units whose views serve every micro-batch of this batch
+        self.bound: set[int] = set()  # with shared views: units whose views serve every micro-batch
         self._ends: dict[tuple[str, int], int] = {}
         # Without shared views: each micro-batch's own views of each unit, by micro-batch and unit.
         self._views: list[dict[int, tuple[FlatUnit, list[torch.Tensor]]]] = [{} for _ in range(count)]
