@@ -338,15 +338,17 @@ class Engine:
     def close(self) -> None:
         self._closed = True
         forget(self._exit_token)
-        self._end_plain_backward()
-        self.updates.close()
-        for h in self._hooks:
-            h.remove()
         try:
-            self.store.close()
+            self._end_plain_backward()
+            self.updates.close()  # an update's error not raised before is raised, after the rest
         finally:
-            if self._owned_dir is not None:
-                self._owned_dir.remove()
+            for h in self._hooks:
+                h.remove()
+            try:
+                self.store.close()
+            finally:
+                if self._owned_dir is not None:
+                    self._owned_dir.remove()
 
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 

@@ -45,18 +45,22 @@ class UpdateStream:
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
         self._next: dict[int, int] = {}
+        # The first update that failed: raised once, to whoever waited for it. The states are then
+        # partly updated, so every later use of the stream refuses (close() only cleans up).
+        self.failed: BaseException | None = None
 
     # -- starting updates -------------------------------------------------------------------------
 
     def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None) -> None:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
         the chunks' gradient keys in the store)."""
+        self._check()
         self._order.append(unit.index)
         following = self._next.get(unit.index)
         then = self.units[following].chunks if following is not None else []
         if handed is not None:
             while self._handed_over and (self._handed_over[0].done() or len(self._handed_over) >= HANDED_OVER):
-                self._handed_over.popleft().result()
+                self._result(self._handed_over.popleft())
         future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed)
         self._pending[unit.index] = future
         if handed is not None:
@@ -68,6 +72,7 @@ class UpdateStream:
         States in the work tier take one fused call, here; streamed ones go to the optimizer
         thread, and each unit's future completes as its last chunk is written. `kept`: the
         gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else in the store."""
+        self._check()
         chunks = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
             t0 = time.perf_counter()
@@ -102,9 +107,10 @@ class UpdateStream:
 
     def wait(self, unit: FlatUnit) -> None:
         """Before a unit is gathered again: its update, if one is still running, has finished."""
+        self._check()
         future = self._pending.pop(unit.index, None)
         if future is not None:
-            future.result()
+            self._result(future)
 
     def in_flight(self) -> list[Future]:
         """The futures of updates not yet waited for (finished ones included)."""
@@ -112,9 +118,8 @@ class UpdateStream:
 
     def drain(self) -> None:
         """Wait for every update started so far."""
-        pending, self._pending = self._pending, {}
-        for f in pending.values():
-            f.result()
+        self._check()
+        self._settle()
 
     def end_window(self) -> None:
         """An accumulation window ended: this step's order of updates predicts the next one's."""
@@ -123,8 +128,33 @@ class UpdateStream:
             self._order = []
 
     def close(self) -> None:
-        self.drain()
-        self._thread.shutdown()
+        """Wait for the updates in flight and stop the thread; an update error nobody has seen yet is
+        raised (one already raised is not)."""
+        try:
+            self._settle()
+        finally:
+            self._thread.shutdown()
+
+    def _settle(self) -> None:
+        """Wait for every update in flight, whatever its outcome; then raise the first error."""
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.exception()
+        for f in pending.values():
+            self._result(f)
+
+    def _result(self, future: Future) -> None:
+        """Wait for `future`; raise its error if it is the first update to fail."""
+        error = future.exception()
+        if error is not None and self.failed is None:
+            self.failed = error
+            raise error
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"an optimizer update failed earlier ({type(self.failed).__name__}: {self.failed}). "
+                               "The model's states are partly updated, so this engine cannot go on: close it and "
+                               "restart from a checkpoint.") from self.failed
 
     # -- on the optimizer thread ------------------------------------------------------------------
 
