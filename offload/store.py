@@ -151,6 +151,20 @@ class TieredStore(Moves, Writes, Budgets):
             self._counts["fetches"] += 1
             return self._bring(rec, tier, count=True)
 
+    def fetch_now(self, key: str, tier: Tier = Tier.DEVICE) -> torch.Tensor:
+        """`fetch(key, tier).result()`, except that a fetch that fails holds no pin: after its error
+        there is nothing to release, and a later fetch meets the same error, not a busy key."""
+        future = self.fetch(key, tier)
+        try:
+            return future.result()
+        except BaseException:
+            with self._cond:
+                rec = self._records.get(key)
+                if rec is not None and rec.pins:
+                    rec.pins -= 1
+                    self._cond.notify_all()
+            raise
+
     def prefetch(self, keys: Iterable[str], tier: Tier = Tier.DEVICE) -> None:
         """Start moving `keys` to `tier` in order, with at most `prefetch_bytes` in flight; returns at once."""
         tier = Tier(tier)

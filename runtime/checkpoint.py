@@ -113,7 +113,7 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
         if u.aliased:
             writer.write(u.param_key, u.flat.detach())
             continue
-        shard = store.fetch(u.param_key, store.ram_tier_of(u.param_key) or place.work_tier).result()
+        shard = store.fetch_now(u.param_key, store.ram_tier_of(u.param_key) or place.work_tier)
         try:
             writer.write(u.param_key, shard)
         finally:
@@ -121,17 +121,17 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
     for u in sm.units:
         # fp32: the master is the parameter shard, and the state holds [m|v] after it.
         lent = u.master_is_param and not u.aliased
-        shard = None
+        master: torch.Tensor | None = None
         if u.master_is_param:
-            shard = store.fetch(u.param_key, place.work_tier).result() if lent else u.flat.detach()
+            master = store.fetch_now(u.param_key, place.work_tier) if lent else u.flat.detach()
         try:
             for c in u.chunks:
-                state = store.fetch(c.opt_key, place.work_tier).result()
+                state = store.fetch_now(c.opt_key, place.work_tier)
                 try:
-                    if shard is None:
+                    if master is None:
                         writer.write(c.opt_key, state)
                     else:
-                        writer.write_part(c.opt_key, shard[c.start : c.end], 0)
+                        writer.write_part(c.opt_key, master[c.start : c.end], 0)
                         writer.write_part(c.opt_key, state, c.numel)
                 finally:
                     store.release(c.opt_key)
@@ -190,7 +190,7 @@ def _overwrite(store: TieredStore, key: str, values: torch.Tensor, tier: Tier, *
     if ram is None:
         store.put(key, values, tier, return_home=return_home)
         return
-    store.fetch(key, ram).result().copy_(values)
+    store.fetch_now(key, ram).copy_(values)
     store.release(key, dirty=True)
 
 

@@ -146,7 +146,7 @@ class FlatUnit:
         With `master_is_param` the fused update then writes the live parameters, nothing copied."""
         assert self.group.world == 1 and self.resident and len(self.chunks) == (0 if self.frozen else 1)
         assert self.state is UnitState.SHARDED, f"{self.name}: already gathered"
-        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        shard = self.store.fetch_now(self.param_key, Tier.DEVICE)
         self.flat = shard.detach().requires_grad_(not self.frozen)
         self._aliased = True
         self.state = UnitState.UNSHARDED
@@ -171,7 +171,7 @@ class FlatUnit:
 
     def _fetch_shard(self) -> torch.Tensor:
         t0 = time.perf_counter()
-        shard = self.store.fetch(self.param_key, Tier.DEVICE).result()
+        shard = self.store.fetch_now(self.param_key, Tier.DEVICE)
         self.wait_seconds += time.perf_counter() - t0
         return shard
 

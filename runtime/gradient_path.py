@@ -114,7 +114,7 @@ class GradientPath:
                 if first and not hand_over:
                     self._put(c, parts)
                 elif not first:
-                    acc = self.store.fetch(c.grad_key, self.place.work_tier).result()
+                    acc = self.store.fetch_now(c.grad_key, self.place.work_tier)
                     parts = [p.to(acc.device) for p in parts]  # from a GPU to a HOST work tier
                     torch._foreach_add_(list(acc.split([p.numel() for p in parts])), parts)
                     if last and self.policy.needs_norm:

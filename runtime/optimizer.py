@@ -67,9 +67,9 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     """
     stored = grads is None
     assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
-    states = [store.fetch(c.opt_key, place.work_tier).result() for c in chunks]
+    states = [store.fetch_now(c.opt_key, place.work_tier) for c in chunks]
     if grads is None:
-        grads = [[store.fetch(c.grad_key, place.work_tier).result()] for c in chunks]
+        grads = [[store.fetch_now(c.grad_key, place.work_tier)] for c in chunks]
     try:
         masters: list[torch.Tensor] = []
         flat_masters: list[torch.Tensor] = []
@@ -154,7 +154,7 @@ class ParamWriter:
         key = unit.param_key
         if key not in self._lent:
             tier = self.store.ram_tier_of(key) or self.place.work_tier  # on a CPU, updated where it rests
-            self._lent[key] = (self.store.fetch(key, tier).result(), len(unit.chunks))
+            self._lent[key] = (self.store.fetch_now(key, tier), len(unit.chunks))
         return self._lent[key][0][chunk.start : chunk.end]
 
     def write(self, chunk: Chunk, master: torch.Tensor) -> None:

@@ -175,7 +175,7 @@ class SavedActivations:
         if self.store.tier_of(packed.key) == Tier.NVME:
             with self._lock:
                 self.bytes_from_nvme += packed.nbytes
-        stored = self.store.fetch(packed.key, self.work_tier).result()
+        stored = self.store.fetch_now(packed.key, self.work_tier)
         try:
             t = stored.to(packed.device, copy=True)
         finally:

@@ -188,3 +188,29 @@ def test_an_update_error_nobody_saw_is_raised_by_close_after_it_cleaned_up(tmp_p
     with pytest.raises(StorageCorruptError, match="checksum mismatch"):
         engine.close()
     assert os.listdir(nvme) == []
+
+
+def test_a_corrupt_parameter_read_in_forward_is_the_same_error_each_time(tmp_path):
+    from outcore.offload import StorageCorruptError
+    from tests.runtime.models import TinyGPT, batches
+
+    nvme = tmp_path / "nvme"
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(nvme), grad_clip=None)
+    engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+    (x, y), = batches(1)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.synchronize()
+    swap = engine.store._swap
+    keys = [u.param_key for u in engine.units]
+    for key in keys:
+        engine.store.evict(key).wait()  # every unit's parameters are read back from the file
+    with open(swap.path, "r+b") as f:
+        for key in keys:
+            f.seek(swap.entry(key).extent.offset)
+            f.write(b"\xff\x00\xff")
+    for _ in range(2):  # not "in use" the second time: the failed fetch left no pin behind
+        with pytest.raises(StorageCorruptError, match="checksum mismatch"):
+            engine(x, y)
+    engine.close()
+    assert os.listdir(nvme) == []

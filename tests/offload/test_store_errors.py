@@ -30,6 +30,22 @@ def test_corrupt_swap_bytes_raise_naming_the_key(make_store):
     store.release("layer7.w")
 
 
+def test_a_fetch_now_that_fails_holds_no_pin(make_store):
+    store = make_store()
+    store.put("layer7.w", torch.randn(3000), Tier.NVME)
+    off = _offset_of(store, "layer7.w")
+    with open(store._swap.path, "r+b") as f:
+        f.seek(off + 100)
+        f.write(b"\xff\x00\xff")
+    for _ in range(2):  # the second meets the same error, not a key still in use
+        with pytest.raises(StorageCorruptError, match="layer7.w.*checksum mismatch"):
+            store.fetch_now("layer7.w", Tier.HOST)
+    with pytest.raises(ValueError, match="without a matching fetch"):
+        store.release("layer7.w")
+    store.delete("layer7.w")  # not pinned: it can go
+    assert "layer7.w" not in store
+
+
 def test_truncated_swap_file_raises_naming_the_key(make_store):
     store = make_store()
     store.put("a", torch.randn(3000), Tier.NVME)
