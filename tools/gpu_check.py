@@ -10,18 +10,24 @@
 4. throughput: tokens/s, model TFLOPS and MFU (against the dense bf16 matmul rate measured here)
    for a GPT of about 1.3B parameters with parameters and optimizer states on NVMe, and for the
    largest preset whose states fit this machine's memory.
-Everything goes into one JSON file. On a machine without CUDA it says so, writes that, and exits 0.
+Everything goes into one JSON file, written again after each part: a part that fails is recorded
+there (its error and traceback) and the kit goes on with the next, since the first run on a new
+machine is when things break and the JSON is what comes back. On a machine without CUDA it says
+so, writes that, and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +37,7 @@ from outcore.tools.units import human_bytes
 PARITY_SETTINGS = [(1, "none", "none"), (1, "none", "cpu"), (2, "none", "cpu"), (2, "none", "nvme"),
                    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "nvme")]
 TOLERANCE = {"fp32": 1e-3, "bf16": 3e-2}  # relative, on the losses (GPU kernels reorder sums)
+CUDA_TESTS_TIMEOUT = 300  # seconds: the whole kit is meant to take under 10 minutes
 
 
 def run_cuda_tests() -> dict:
@@ -40,8 +47,13 @@ def run_cuda_tests() -> dict:
     if not os.path.isdir(tests):
         return {"ran": False, "why": f"no tests folder at {tests} (an installed package): run from a checkout"}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", tests], cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", tests], cwd=root,
+                             capture_output=True, text=True, timeout=CUDA_TESTS_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"ran": True, "ok": False, "summary": f"timed out after {CUDA_TESTS_TIMEOUT} s",
+                "seconds": time.perf_counter() - t0, "output_tail": tail[-3000:]}
     summary = (res.stdout.strip().splitlines() or [""])[-1]
     return {"ran": True, "ok": res.returncode == 0, "summary": summary, "seconds": time.perf_counter() - t0,
             "output_tail": res.stdout[-3000:] if res.returncode else ""}
@@ -223,33 +235,59 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.nvme_dir, exist_ok=True)
     t0 = time.perf_counter()
     print(f"gpu_check on {result['device']}", flush=True)
-    result["cuda_tests"] = run_cuda_tests()
-    print(f"  cuda tests: {result['cuda_tests'].get('summary', result['cuda_tests'].get('why'))}", flush=True)
-    result["parity"] = parity(device, args.nvme_dir)
-    bad = [r for r in result["parity"] if not r["ok"]]
-    print(f"  parity: {len(result['parity']) - len(bad)}/{len(result['parity'])} settings within tolerance", flush=True)
-    result["overlap"] = copy_overlap(device)
-    print(f"  side-stream copy: {result['overlap']['copy_GBps']:.1f} GB/s, {result['overlap']['overlap']:.0%} hidden "
-          "behind matmuls", flush=True)
-    peak = matmul_peak(device)
-    result["matmul_peak_TFLOPS"] = peak / 1e12
+
+    def part(name: str, work: Callable[[], Any], into: dict | None = None) -> Any:
+        return run_part(result, name, work, args.out, into=into)
+
+    tests = part("cuda_tests", run_cuda_tests)
+    if tests is not None:
+        print(f"  cuda tests: {tests.get('summary', tests.get('why'))}", flush=True)
+    rows = part("parity", lambda: parity(device, args.nvme_dir))
+    if rows is not None:
+        bad = [r for r in rows if not r["ok"]]
+        print(f"  parity: {len(rows) - len(bad)}/{len(rows)} settings within tolerance", flush=True)
+    overlap = part("overlap", lambda: copy_overlap(device))
+    if overlap is not None:
+        print(f"  side-stream copy: {overlap['copy_GBps']:.1f} GB/s, {overlap['overlap']:.0%} hidden behind matmuls",
+              flush=True)
+    peak = part("matmul_peak_TFLOPS", lambda: matmul_peak(device) / 1e12)
     steps = 2 if args.quick else 4
     runs = [("gpt-1b", "nvme")]  # about 1.3B parameters with the 32,000-row embedding
     if not args.quick:
         runs.append((largest_fitting(psutil.virtual_memory().total), "cpu"))
-    result["throughput"] = []
-    for preset, offload in runs:
-        r = throughput(device, preset, args.nvme_dir, offload=offload, steps=steps, batch=4, peak=peak)
-        result["throughput"].append(r)
+    result["throughput"] = {}
+    for preset, offload in runs if peak is not None else []:
+        work = functools.partial(throughput, device, preset, args.nvme_dir, offload=offload, steps=steps, batch=4,
+                                 peak=peak * 1e12)
+        r = part(preset, work, into=result["throughput"])
+        if r is None:
+            continue
         print(f"  {preset} ({r['params'] / 1e9:.2f}B, states on {offload}): {r['tokens_per_s']:,.0f} tok/s, "
               f"{r['model_TFLOPS']:.1f} TFLOPS, MFU {r['MFU']:.1%}, GPU peak "
               f"{human_bytes(r['peak_rss_gpu_bytes'])}", flush=True)
     result["seconds"] = time.perf_counter() - t0
-    result["ok"] = bool(result["cuda_tests"].get("ok", True) and not bad and result["overlap"]["ok"])
+    result["ok"] = bool(not result.get("errors") and (tests or {}).get("ok", True)
+                        and all(r["ok"] for r in rows or []) and (overlap or {}).get("ok", False))
     _write(args.out, result)
     print(f"gpu_check: {'all good' if result['ok'] else 'PROBLEMS FOUND (see the JSON)'} in "
           f"{result['seconds']:.0f} s; wrote {args.out}")
     return 0 if result["ok"] else 1
+
+
+def run_part(result: dict, name: str, work: Callable[[], Any], out: str, *, into: dict | None = None) -> Any:
+    """One part of the kit: its value goes into `into[name]` (default: `result[name]`), or its error
+    into `result["errors"][name]`; either way `result` is written to `out` again. None if it failed."""
+    try:
+        value = work()
+    except Exception as e:  # noqa: BLE001 - recorded, and the next part still runs
+        result.setdefault("errors", {})[name] = {"error": f"{type(e).__name__}: {e}",
+                                                 "traceback": traceback.format_exc()[-3000:]}
+        print(f"  {name}: FAILED ({type(e).__name__}: {e})", flush=True)
+        value = None
+    else:
+        (result if into is None else into)[name] = value
+    _write(out, result)
+    return value
 
 
 def _write(path: str, payload: dict) -> None:

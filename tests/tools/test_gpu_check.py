@@ -1,6 +1,7 @@
 """The GPU kit: exits 0 where there is no GPU, and its parity check is real (run here on the CPU)."""
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -27,3 +28,45 @@ def test_the_largest_preset_that_fits():
     assert gpu_check.largest_fitting(128 << 30) == "gpt-3b"  # 3.1B x 18 B < 64 GiB < 6.6B x 18 B
     assert gpu_check.largest_fitting(16 << 30) == "gpt-350m"
     assert gpu_check.largest_fitting(1 << 30) == "tiny"
+
+
+def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch):
+    """The first run on a GPU is when things break: each part's error lands in the JSON (written
+    after every part), the others still run, and the exit status says so."""
+    out = tmp_path / "gpu.json"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a stand-in GPU")
+    monkeypatch.setattr(gpu_check, "run_cuda_tests", lambda: {"ran": True, "ok": True, "summary": "8 passed"})
+
+    def parity(device, nvme_dir):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "parity", parity)
+    monkeypatch.setattr(gpu_check, "copy_overlap", lambda device: {"ok": True, "copy_GBps": 25.0, "overlap": 0.9})
+    monkeypatch.setattr(gpu_check, "matmul_peak", lambda device: 900e12)
+    seen = []
+
+    def throughput(device, preset, nvme_dir, **kw):
+        seen.append(preset)
+        if preset == "gpt-1b":
+            raise MemoryError("the stand-in ran out")
+        return {"params": 3e9, "tokens_per_s": 1000.0, "model_TFLOPS": 100.0, "MFU": 0.11, "peak_rss_gpu_bytes": 1}
+
+    monkeypatch.setattr(gpu_check, "throughput", throughput)
+    monkeypatch.setattr(gpu_check, "largest_fitting", lambda memory: "gpt-3b")
+    assert gpu_check.main(["--out", str(out), "--nvme-dir", str(tmp_path / "nvme")]) == 1
+    got = json.loads(out.read_text())
+    assert got["cuda_tests"]["ok"] and got["overlap"]["ok"] and got["ok"] is False
+    assert set(got["errors"]) == {"parity", "gpt-1b"}
+    assert "illegal memory access" in got["errors"]["parity"]["error"]
+    assert "MemoryError" in got["errors"]["gpt-1b"]["traceback"]
+    assert seen == ["gpt-1b", "gpt-3b"] and list(got["throughput"]) == ["gpt-3b"]
+
+
+def test_cuda_tests_that_hang_are_a_failed_part_not_a_lost_run(monkeypatch):
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"], output=b"tests/offload/test_cuda_paths.py ..")
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    got = gpu_check.run_cuda_tests()
+    assert got["ok"] is False and "timed out" in got["summary"] and "test_cuda_paths" in got["output_tail"]
