@@ -136,7 +136,8 @@ class UpdateStream:
             self._thread.shutdown()
 
     def _settle(self) -> None:
-        """Wait for every update in flight, whatever its outcome; then raise the first error."""
+        """Wait for every update in flight, whatever its outcome; then raise the first error among
+        them, unless an update failed before."""
         pending, self._pending = self._pending, {}
         for f in pending.values():
             f.exception()
