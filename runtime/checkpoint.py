@@ -203,8 +203,9 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     """Restore the model states of a checkpoint written by `save_checkpoint` exactly, on any number
     of ranks (each reads its own new shard from whichever rank files hold it; see
     runtime/checkpoint_shards.py); every rank calls it. Returns its meta.json, whose step, lr and
-    loss scale the engine restores itself."""
-    sm.settle()
+    loss scale the engine restores itself. It also mends an engine whose update failed: every state
+    is the checkpoint's afterwards."""
+    sm.updates.abandon()
     folder = find_checkpoint(directory, tag)
     meta = read_meta(folder)
     if _fits(meta.get("units") or []) != _fits(_layout(sm)):
@@ -212,30 +213,36 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
                          "(unit layout differs); build the same model with the same unit_classes.")
     shards = CheckpointShards(folder, meta, verify=lambda name: verify_rank_file(folder, meta, name))
     store, place, rank = sm.store, sm.place, sm.group.rank
-    with ParamWriter(store, place, in_place=False) as params:
-        for u in sm.units:
-            base = rank * u.layout.shard
-            if u.frozen:
-                values = shards.params(u.index, base, base + u.layout.shard).to(u.dtype)
-                if u.aliased:  # the stored shard is the live flat buffer
-                    with torch.no_grad():
-                        u.flat.copy_(values)
-                else:
-                    store.put(u.param_key, values, place.param_tier)
-            for c in u.chunks:
-                master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
-                                for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
-                state = torch.cat([m, v] if u.master_is_param else [master, m, v])
-                _overwrite(store, c.opt_key, state, place.opt_home(c.unit.index),
-                           return_home=place.opt_returns_home(c.unit.index))
-                params.write(c, master)
-            if u.resident:
-                u.refresh()
-    buffers = shards.buffers(BUFFER_PREFIX)
-    shards.close()
-    if buffers:
-        sm.model.load_state_dict(buffers, strict=False)
+    shards.open_for([(u.index, rank * u.layout.shard, (rank + 1) * u.layout.shard) for u in sm.units])
+    try:
+        with ParamWriter(store, place, in_place=False) as params:
+            for u in sm.units:
+                base = rank * u.layout.shard
+                if u.frozen:
+                    values = shards.params(u.index, base, base + u.layout.shard).to(u.dtype)
+                    if u.aliased:  # the stored shard is the live flat buffer
+                        with torch.no_grad():
+                            u.flat.copy_(values)
+                    else:
+                        store.put(u.param_key, values, place.param_tier)
+                for c in u.chunks:
+                    master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
+                                    for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
+                    state = torch.cat([m, v] if u.master_is_param else [master, m, v])
+                    _overwrite(store, c.opt_key, state, place.opt_home(c.unit.index),
+                               return_home=place.opt_returns_home(c.unit.index))
+                    params.write(c, master)
+                if u.resident:
+                    u.refresh()
+        buffers = shards.buffers(BUFFER_PREFIX)
+        shards.close()
+        if buffers:
+            sm.model.load_state_dict(buffers, strict=False)
+    except BaseException as e:
+        sm.updates.loaded(e)  # some states are the checkpoint's, some not: the engine refuses to go on
+        raise
     steps = [int(n) for n in meta["unit_steps"]]
     assert len(steps) == len(sm.updates.steps)  # the layout matched
     sm.updates.steps[:] = steps
+    sm.updates.loaded(None)
     return meta

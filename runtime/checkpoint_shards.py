@@ -29,6 +29,17 @@ class CheckpointShards:
         self._verify = verify
         self._files: dict[int, object] = {}
 
+    def open_for(self, spans: list[tuple[int, int, int]]) -> None:
+        """Open (so verify) every rank file that holds some of `spans` (unit index, lo, hi), and rank
+        0's (the buffers): a loader checks what it will read before it overwrites anything."""
+        for rank in sorted({0} | {r for index, lo, hi in spans for r in self._ranks(index, lo, hi)}):
+            self._file(rank)
+
+    def _ranks(self, index: int, lo: int, hi: int) -> range:
+        """The ranks whose shard of unit `index` holds some of elements [lo, hi)."""
+        shard = self.meta["units"][index]["shard"]
+        return range(lo // shard, min(self.world, -(-hi // shard)))
+
     def _file(self, rank: int):
         f = self._files.get(rank)
         if f is None:
@@ -44,9 +55,8 @@ class CheckpointShards:
 
     def state(self, index: int, lo: int, hi: int, part: int) -> torch.Tensor:
         """Elements [lo, hi) of unit `index`'s fp32 master, exp_avg or exp_avg_sq (`part`)."""
-        unit = self.meta["units"][index]
         out = torch.zeros(hi - lo, dtype=torch.float32)
-        for rank, base, (c, (start, end)) in self._pieces(unit, lo, hi):
+        for rank, base, (c, (start, end)) in self._pieces(index, lo, hi):
             a, b = max(lo, base + start), min(hi, base + end)
             n = end - start
             piece = self._file(rank).get_slice(f"u{index}.opt{c}")
@@ -55,10 +65,9 @@ class CheckpointShards:
 
     def params(self, index: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of frozen unit `index`'s parameters, in the dtype they were saved in."""
-        unit = self.meta["units"][index]
-        shard = unit["shard"]
+        shard = self.meta["units"][index]["shard"]
         out: torch.Tensor | None = None
-        for rank in range(lo // shard, min(self.world, -(-hi // shard))):
+        for rank in self._ranks(index, lo, hi):
             base = rank * shard
             a, b = max(lo, base), min(hi, base + shard)
             piece = self._file(rank).get_slice(f"u{index}.param")[a - base : b - base]
@@ -77,9 +86,10 @@ class CheckpointShards:
             return self.params(index, lo, lo + numel).float().view(param["shape"])
         return self.state(index, lo, lo + numel, MASTER).view(param["shape"])
 
-    def _pieces(self, unit: dict, lo: int, hi: int):
+    def _pieces(self, index: int, lo: int, hi: int):
+        unit = self.meta["units"][index]
         shard = unit["shard"]
-        for rank in range(lo // shard, min(self.world, -(-hi // shard))):
+        for rank in self._ranks(index, lo, hi):
             base = rank * shard
             for c, (start, end) in enumerate(unit["chunks"]):
                 if max(lo, base + start) < min(hi, base + end):

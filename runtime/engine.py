@@ -292,7 +292,9 @@ class Engine:
 
     @_engine_call
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
-        """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest)."""
+        """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest). After a failed
+        update or pass this also mends the engine; units a failure left gathered let go first."""
+        self._reshard_all()
         meta = load_checkpoint(self.sharded, directory, tag)
         self.global_step = int(meta["step"])
         self.lr = float(meta["lr"])

@@ -67,10 +67,17 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     """
     stored = grads is None
     assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
-    states = [store.fetch_now(c.opt_key, place.work_tier) for c in chunks]
-    if grads is None:
-        grads = [[store.fetch_now(c.grad_key, place.work_tier)] for c in chunks]
+    fetched: list[tuple[str, bool]] = []  # (key, changed): released whatever happens
+
+    def fetch(key: str, *, changed: bool) -> torch.Tensor:
+        t = store.fetch_now(key, place.work_tier)
+        fetched.append((key, changed))
+        return t
+
     try:
+        states = [fetch(c.opt_key, changed=True) for c in chunks]
+        if grads is None:
+            grads = [[fetch(c.grad_key, changed=False)] for c in chunks]
         masters: list[torch.Tensor] = []
         flat_masters: list[torch.Tensor] = []
         flat_grads: list[torch.Tensor] = []
@@ -101,12 +108,11 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
         for c, master in zip(chunks, masters, strict=True):
             params.write(c, master)
     finally:
-        for c in chunks:
-            if stored:
-                store.release(c.grad_key)
-            # Put with `return_home` when written back after each update (`Placement.opt_returns_home`):
-            # the store then sends it to NVMe in the background, and HOST is free for the next chunk.
-            store.release(c.opt_key, dirty=True)
+        # Optimizer states put with `return_home` when written back after each update
+        # (`Placement.opt_returns_home`): the store then sends them to NVMe in the background, and
+        # HOST is free for the next chunk.
+        for key, changed in fetched:
+            store.release(key, dirty=changed)
     if stored:
         for c in chunks:  # spent: its memory is free for the next chunk's, and it is never written back
             store.delete(c.grad_key)

@@ -121,6 +121,20 @@ class UpdateStream:
         self._check()
         self._settle()
 
+    def abandon(self) -> None:
+        """Before a checkpoint load replaces every state: wait for the updates in flight, whatever
+        their outcome, and forget them."""
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.exception()
+        self._handed_over.clear()
+
+    def loaded(self, error: BaseException | None) -> None:
+        """After a checkpoint load began writing: None if it replaced every state (a failed update
+        no longer stands), else the error that stopped it partway (the states are mixed now, so the
+        stream refuses as after a failed update)."""
+        self.failed = error
+
     def end_window(self) -> None:
         """An accumulation window ended: this step's order of updates predicts the next one's."""
         if self._order:
@@ -154,8 +168,9 @@ class UpdateStream:
     def _check(self) -> None:
         if self.failed is not None:
             raise RuntimeError(f"an optimizer update failed earlier ({type(self.failed).__name__}: {self.failed}). "
-                               "The model's states are partly updated, so this engine cannot go on: close it and "
-                               "restart from a checkpoint.") from self.failed
+                               "The model's states are partly updated, so this engine cannot go on until "
+                               "engine.load_checkpoint() restores them all (or close it and start again from a "
+                               "checkpoint).") from self.failed
 
     # -- on the optimizer thread ------------------------------------------------------------------
 

@@ -157,7 +157,7 @@ def test_a_swap_file_corrupted_mid_run_fails_the_run_once_and_close_still_cleans
             engine.step()
         engine.synchronize()
     # Some units were updated and some not: the engine refuses to go on, naming why.
-    with pytest.raises(RuntimeError, match="an optimizer update failed earlier.*restart from a checkpoint"):
+    with pytest.raises(RuntimeError, match="an optimizer update failed earlier.*load_checkpoint"):
         x, y = data[0]
         engine.backward(engine(x, y))
         engine.step()
@@ -214,3 +214,70 @@ def test_a_corrupt_parameter_read_in_forward_is_the_same_error_each_time(tmp_pat
             engine(x, y)
     engine.close()
     assert os.listdir(nvme) == []
+
+
+def _corrupt(swap):
+    raw = bytearray(swap.read_bytes())
+    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])  # one byte in every page: every key's bytes
+    swap.write_bytes(raw)
+
+
+def test_a_checkpoint_load_mends_an_engine_whose_update_failed(tmp_path):
+    from outcore.offload import StorageCorruptError
+    from tests.runtime.models import TinyGPT, batches
+
+    nvme, ckpt = tmp_path / "nvme", str(tmp_path / "ckpt")
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(nvme), grad_clip=None,
+                         device_budget=1 << 20, host_budget=1 << 20, sub_group_size=1 << 12)
+    engine = outcore.Engine(TinyGPT(vocab=256, d=64, layers=4, seq=32), cfg, outcore.AdamW(lr=1e-3))
+    data = batches(4, seq=32, vocab=256)
+
+    def steps(part):
+        losses = []
+        for x, y in part:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        engine.synchronize()
+        return losses
+
+    steps(data[:2])
+    engine.save_checkpoint(ckpt, "two")
+    after = steps(data[2:])
+    _corrupt(nvme / "rank0.swap")
+    with pytest.raises(StorageCorruptError):
+        steps(data[2:])
+    engine.load_checkpoint(ckpt, "two")  # every state is the checkpoint's again: the engine goes on
+    assert steps(data[2:]) == pytest.approx(after, rel=1e-6)
+    engine.close()
+
+
+def test_a_load_that_fails_partway_leaves_the_engine_refusing(tmp_path, monkeypatch):
+    from outcore.runtime import checkpoint
+    from tests.runtime.models import TinyGPT, batches
+
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"))
+    engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+    (x, y), = batches(1)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "one")
+    overwrite, calls = checkpoint._overwrite, []
+
+    def fails_on_the_third(*args, **kwargs):  # an I/O error after some states were loaded
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        overwrite(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_overwrite", fails_on_the_third)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"), "one")
+    with pytest.raises(RuntimeError, match="failed earlier.*OSError.*load_checkpoint"):
+        engine.backward(engine(x, y))
+    monkeypatch.setattr(checkpoint, "_overwrite", overwrite)
+    engine.load_checkpoint(str(tmp_path / "ckpt"), "one")  # a whole load mends it
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
