@@ -45,8 +45,9 @@ class UpdateStream:
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
         self._next: dict[int, int] = {}
-        # The first update that failed: raised once, to whoever waited for it. The states are then
-        # partly updated, so every later use of the stream refuses (close() only cleans up).
+        # The first update that failed (or a checkpoint load that stopped partway): raised once, to
+        # whoever waited for it. The states are then partly written, so every later use of the
+        # stream refuses until a load succeeds (close() only cleans up).
         self.failed: BaseException | None = None
 
     # -- starting updates -------------------------------------------------------------------------
@@ -124,9 +125,7 @@ class UpdateStream:
     def abandon(self) -> None:
         """Before a checkpoint load replaces every state: wait for the updates in flight, whatever
         their outcome, and forget them."""
-        pending, self._pending = self._pending, {}
-        for f in pending.values():
-            f.exception()
+        self._take_all()
         self._handed_over.clear()
 
     def loaded(self, error: BaseException | None) -> None:
@@ -150,13 +149,17 @@ class UpdateStream:
             self._thread.shutdown()
 
     def _settle(self) -> None:
-        """Wait for every update in flight, whatever its outcome; then raise the first error among
-        them, unless an update failed before."""
-        pending, self._pending = self._pending, {}
-        for f in pending.values():
-            f.exception()
-        for f in pending.values():
+        """Wait for every update in flight; then raise the first error among them, unless an update
+        failed before."""
+        for f in self._take_all():
             self._result(f)
+
+    def _take_all(self) -> list[Future]:
+        """Every update in flight, each finished (whatever its outcome) and no longer pending."""
+        pending, self._pending = list(self._pending.values()), {}
+        for f in pending:
+            f.exception()
+        return pending
 
     def _result(self, future: Future) -> None:
         """Wait for `future`; raise its error if it is the first update to fail."""
@@ -167,10 +170,10 @@ class UpdateStream:
 
     def _check(self) -> None:
         if self.failed is not None:
-            raise RuntimeError(f"an optimizer update failed earlier ({type(self.failed).__name__}: {self.failed}). "
-                               "The model's states are partly updated, so this engine cannot go on until "
-                               "engine.load_checkpoint() restores them all (or close it and start again from a "
-                               "checkpoint).") from self.failed
+            error = self.failed
+            raise RuntimeError(f"an earlier failure left the model's states partly written ({type(error).__name__}: "
+                               f"{error}). This engine cannot go on until engine.load_checkpoint() restores them "
+                               "all (or close it and start again from a checkpoint).") from error
 
     # -- on the optimizer thread ------------------------------------------------------------------
 

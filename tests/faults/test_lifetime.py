@@ -157,7 +157,7 @@ def test_a_swap_file_corrupted_mid_run_fails_the_run_once_and_close_still_cleans
             engine.step()
         engine.synchronize()
     # Some units were updated and some not: the engine refuses to go on, naming why.
-    with pytest.raises(RuntimeError, match="an optimizer update failed earlier.*load_checkpoint"):
+    with pytest.raises(RuntimeError, match="states partly written.*load_checkpoint"):
         x, y = data[0]
         engine.backward(engine(x, y))
         engine.step()
@@ -274,7 +274,7 @@ def test_a_load_that_fails_partway_leaves_the_engine_refusing(tmp_path, monkeypa
     monkeypatch.setattr(checkpoint, "_overwrite", fails_on_the_third)
     with pytest.raises(OSError, match="Input/output error"):
         engine.load_checkpoint(str(tmp_path / "ckpt"), "one")
-    with pytest.raises(RuntimeError, match="failed earlier.*OSError.*load_checkpoint"):
+    with pytest.raises(RuntimeError, match="partly written .OSError.*load_checkpoint"):
         engine.backward(engine(x, y))
     monkeypatch.setattr(checkpoint, "_overwrite", overwrite)
     engine.load_checkpoint(str(tmp_path / "ckpt"), "one")  # a whole load mends it
