@@ -134,34 +134,45 @@ def test_a_forked_child_that_exits_leaves_its_parents_scratch_folder(tmp_path):
     assert res.stdout.split() == ["True", "False"], res.stdout + res.stderr[-2000:]
 
 
-def test_a_swap_file_corrupted_mid_run_fails_the_run_once_and_close_still_cleans_up(tmp_path):
-    from outcore.offload import StorageCorruptError
-    from tests.runtime.models import TinyGPT, batches
+def _corrupt(swap):
+    """One byte flipped in every page of the swap file: every key's stored bytes."""
+    raw = bytearray(swap.read_bytes())
+    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])
+    swap.write_bytes(raw)
 
-    nvme = tmp_path / "nvme"
+
+def _paging_engine(nvme):
+    """A GPT larger than its 1 MiB budgets: each step reads and writes the swap file."""
+    from tests.runtime.models import TinyGPT
+
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(nvme), grad_clip=None,
                          device_budget=1 << 20, host_budget=1 << 20, sub_group_size=1 << 12)
-    engine = outcore.Engine(TinyGPT(vocab=256, d=64, layers=4, seq=32), cfg, outcore.AdamW(lr=1e-3))
-    data = batches(2, seq=32, vocab=256)
-    for x, y in data:
-        engine.backward(engine(x, y))
-        engine.step()
+    return outcore.Engine(TinyGPT(vocab=256, d=64, layers=4, seq=32), cfg, outcore.AdamW(lr=1e-3))
+
+
+def _steps(engine, data):
+    """Train on `data`, one step a batch, and wait for the updates: the losses."""
+    from tests.runtime.helpers import train_engine
+
+    losses, _ = train_engine(None, None, data, engine=engine)
     engine.synchronize()
-    swap = nvme / "rank0.swap"
-    raw = bytearray(swap.read_bytes())
-    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])  # one byte in every page: every key's bytes
-    swap.write_bytes(raw)
+    return losses
+
+
+def test_a_swap_file_corrupted_mid_run_fails_the_run_once_and_close_still_cleans_up(tmp_path):
+    from outcore.offload import StorageCorruptError
+    from tests.runtime.models import batches
+
+    nvme = tmp_path / "nvme"
+    engine = _paging_engine(nvme)
+    data = batches(2, seq=32, vocab=256)
+    _steps(engine, data)
+    _corrupt(nvme / "rank0.swap")
     with pytest.raises(StorageCorruptError, match="checksum mismatch"):
-        for x, y in data:
-            engine.backward(engine(x, y))
-            engine.step()
-        engine.synchronize()
+        _steps(engine, data)
     # Some units were updated and some not: the engine refuses to go on, naming why.
     with pytest.raises(RuntimeError, match="states partly written.*load_checkpoint"):
-        x, y = data[0]
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.synchronize()
+        _steps(engine, data[:1])
     engine.close()  # the error was raised once, above: closing frees everything without raising it again
     assert os.listdir(nvme) == []
 
@@ -179,10 +190,7 @@ def test_an_update_error_nobody_saw_is_raised_by_close_after_it_cleaned_up(tmp_p
     engine.backward(engine(x, y))
     engine.step()
     engine.synchronize()
-    swap = nvme / "rank0.swap"
-    raw = bytearray(swap.read_bytes())
-    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])
-    swap.write_bytes(raw)
+    _corrupt(nvme / "rank0.swap")
     engine.backward(engine(x, y))  # parameters in HOST: nothing here reads the swap file
     engine.step()
     with pytest.raises(StorageCorruptError, match="checksum mismatch"):
@@ -216,40 +224,21 @@ def test_a_corrupt_parameter_read_in_forward_is_the_same_error_each_time(tmp_pat
     assert os.listdir(nvme) == []
 
 
-def _corrupt(swap):
-    raw = bytearray(swap.read_bytes())
-    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])  # one byte in every page: every key's bytes
-    swap.write_bytes(raw)
-
-
 def test_a_checkpoint_load_mends_an_engine_whose_update_failed(tmp_path):
     from outcore.offload import StorageCorruptError
-    from tests.runtime.models import TinyGPT, batches
+    from tests.runtime.models import batches
 
     nvme, ckpt = tmp_path / "nvme", str(tmp_path / "ckpt")
-    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(nvme), grad_clip=None,
-                         device_budget=1 << 20, host_budget=1 << 20, sub_group_size=1 << 12)
-    engine = outcore.Engine(TinyGPT(vocab=256, d=64, layers=4, seq=32), cfg, outcore.AdamW(lr=1e-3))
+    engine = _paging_engine(nvme)
     data = batches(4, seq=32, vocab=256)
-
-    def steps(part):
-        losses = []
-        for x, y in part:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        engine.synchronize()
-        return losses
-
-    steps(data[:2])
+    _steps(engine, data[:2])
     engine.save_checkpoint(ckpt, "two")
-    after = steps(data[2:])
+    after = _steps(engine, data[2:])
     _corrupt(nvme / "rank0.swap")
     with pytest.raises(StorageCorruptError):
-        steps(data[2:])
+        _steps(engine, data[2:])
     engine.load_checkpoint(ckpt, "two")  # every state is the checkpoint's again: the engine goes on
-    assert steps(data[2:]) == pytest.approx(after, rel=1e-6)
+    assert _steps(engine, data[2:]) == pytest.approx(after, rel=1e-6)
     engine.close()
 
 
