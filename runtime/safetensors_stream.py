@@ -68,8 +68,15 @@ class SafetensorsWriter:
         missing = [k for k, span in self._spans.items() if self._written.get(k, 0) != span[1]]
         os.fsync(self._fd)
         os.close(self._fd)
+        self._fd = -1
         if missing:
             raise ValueError(f"{self.path}: tensors not written whole: {sorted(missing)[:5]}")
+
+    def abort(self) -> None:
+        """Close without checking, after a failure; the caller removes the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def file_crc32(path: str, chunk: int = 8 << 20) -> int:
@@ -119,3 +126,7 @@ class ShardedSafetensorsWriter:
         if self.sharded:  # one file needs no index (as `save_pretrained` writes it)
             with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
                 json.dump(self._index, f, indent=2)
+
+    def abort(self) -> None:
+        for w in self._writers:
+            w.abort()

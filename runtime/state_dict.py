@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
@@ -45,9 +47,11 @@ def full_state_dict(sm: ShardedModel) -> dict[str, torch.Tensor]:
 def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None) -> None:
     """Stream every parameter and buffer into `path`: one safetensors file when it ends in
     `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
-    config.json). Rank 0 writes; every rank gathers."""
+    config.json); written aside and moved into place, keeping other files of an existing directory
+    (runtime/export_target.py). Rank 0 writes; every rank gathers."""
+    check_export_path(path)
     sm.settle()
-    one_file = path.endswith(".safetensors")
+    one_file = is_one_file(path)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     aliases: set[str] = set()  # tied names after the first: a Hugging Face directory stores them once
     for u in sm.units:
@@ -59,23 +63,26 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
     for name, b in buffers.items():
         shapes[name] = (b.dtype, tuple(b.shape))
     keys = [k for k in sm.state_dict_keys if one_file or k not in aliases]
-    writer: SafetensorsWriter | ShardedSafetensorsWriter | None = None
-    if sm.group.rank == 0:
-        entries = [(k, *shapes[k]) for k in keys]
-        metadata = {"format": "pt", "producer": "outcore"}
-        writer = (SafetensorsWriter(path, entries, metadata) if one_file
-                  else ShardedSafetensorsWriter(path, entries, max_shard_size, metadata))
     wanted = set(keys)
-    for name, value in _unit_tensors(sm):
-        if writer is not None and name in wanted:
-            writer.write(name, value)
-    if writer is not None:
-        for name, b in buffers.items():
-            if name in wanted:
-                writer.write(name, b)
-        writer.close()
-        if not one_file and save_config is not None:
-            save_config(path)
+    with ExitStack() as rank0:
+        writer: SafetensorsWriter | ShardedSafetensorsWriter | None = None
+        if sm.group.rank == 0:
+            target = rank0.enter_context(export_target(path))
+            entries = [(k, *shapes[k]) for k in keys]
+            metadata = {"format": "pt", "producer": "outcore"}
+            writer = (SafetensorsWriter(target, entries, metadata) if one_file
+                      else ShardedSafetensorsWriter(target, entries, max_shard_size, metadata))
+            rank0.callback(writer.abort)
+        for name, value in _unit_tensors(sm):
+            if writer is not None and name in wanted:
+                writer.write(name, value)
+        if writer is not None:
+            for name, b in buffers.items():
+                if name in wanted:
+                    writer.write(name, b)
+            writer.close()
+            if not one_file and save_config is not None:
+                save_config(target)
 
 
 def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> None:
@@ -85,6 +92,10 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    if is_one_file(directory):
+        raise ValueError(f"export {directory!r}, adapters_only=True: adapters are a directory (what "
+                         "PeftModel.from_pretrained loads); name one without the .safetensors suffix.")
+    check_export_path(directory)
     sm.settle()
     adapters = dict(_unit_tensors(sm, [u for u in sm.units if not u.frozen]))
     if sm.group.rank != 0:
@@ -92,8 +103,9 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     state = get_peft_model_state_dict(peft_model, state_dict=adapters)
     if not state:
         raise ValueError("the model has no adapter parameters to export; adapters_only=True is for peft models.")
-    os.makedirs(directory, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
     configs: dict = getattr(peft_model, "peft_config")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
-    configs[getattr(peft_model, "active_adapter")].save_pretrained(directory)  # noqa: B009
+    with export_target(directory) as target:
+        os.makedirs(target)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(target, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        configs[getattr(peft_model, "active_adapter")].save_pretrained(target)  # noqa: B009

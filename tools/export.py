@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 from outcore.offload import StorageCorruptError
 from outcore.runtime.checkpoint import BUFFER_PREFIX
 from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
+from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.policy import DTYPES, torch_dtype
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
@@ -46,7 +46,9 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     weights stored once, under their first name, as `save_pretrained` does).
 
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
-    The output appears whole or not at all (written beside it, then renamed)."""
+    The output appears whole or not at all (runtime/export_target.py); other files in an existing
+    directory are kept."""
+    check_export_path(out)
     folder = checkpoint_folder(path, tag)
     meta = read_export_meta(folder, verify=verify)
     dtype = dtype or meta["config"].get("dtype", "fp32")
@@ -59,7 +61,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                 where[name] = (index, param)
     shards = CheckpointShards(folder, meta)
     buffers = shards.buffers(BUFFER_PREFIX)
-    one_file = out.endswith(".safetensors")
+    one_file = is_one_file(out)
     aliases = {n for unit in meta["units"] for param in unit["params"] for n in param["names"][1:]}
     entries = []
     for key in meta["state_dict_keys"]:
@@ -71,38 +73,31 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
             entries.append((key, buffers[key].dtype, tuple(buffers[key].shape)))
         else:
             raise StorageCorruptError(key, folder, "a state-dict key with neither a parameter layout nor a buffer")
-    tmp = f"{out}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     metadata = {"format": "pt", "producer": "outcore export", "step": str(meta["step"])}
-    writer = (SafetensorsWriter(tmp, entries, metadata=metadata) if one_file
-              else ShardedSafetensorsWriter(tmp, entries, max_shard_size, metadata))
     largest = 0
-    try:
-        last_param, last_value = None, None
-        for key, _, _ in entries:
-            if key in where:
-                unit_index, param = where[key]
-                if last_value is None or last_param is not param:  # tied names share one assembled tensor
-                    last_param, last_value = param, shards.parameter(unit_index, param)
-                value = last_value.to(torch_dtype(dtype))
-                largest = max(largest, last_value.numel() * 4)
-            else:
-                value = buffers[key]
-            writer.write(key, value)
-        writer.close()
+    with export_target(out) as tmp:
+        writer = (SafetensorsWriter(tmp, entries, metadata=metadata) if one_file
+                  else ShardedSafetensorsWriter(tmp, entries, max_shard_size, metadata))
+        try:
+            last_param, last_value = None, None
+            for key, _, _ in entries:
+                if key in where:
+                    unit_index, param = where[key]
+                    if last_value is None or last_param is not param:  # tied names share one assembled tensor
+                        last_param, last_value = param, shards.parameter(unit_index, param)
+                    value = last_value.to(torch_dtype(dtype))
+                    largest = max(largest, last_value.numel() * 4)
+                else:
+                    value = buffers[key]
+                writer.write(key, value)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
         if not one_file and meta.get("hf_config"):
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(meta["hf_config"], f, indent=2)
-        if os.path.isdir(out) and not one_file:
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    size = os.path.getsize(out) if one_file else sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+        size = os.path.getsize(tmp) if one_file else sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
             "bytes": size, "largest_parameter_bytes": largest}
 

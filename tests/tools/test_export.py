@@ -88,3 +88,68 @@ def test_damaged_or_missing_checkpoints_are_refused_and_nothing_is_written(tmp_p
     assert "rank0.safetensors" in err and "missing" in err
     assert main(["export", str(tmp_path / "nowhere"), str(out)]) == 2
     assert not out.exists() and not os.path.exists(str(out) + ".tmp")
+
+
+def test_an_export_into_a_directory_keeps_its_other_files_and_drops_stale_shards(tmp_path, capsys):
+    """As `save_pretrained` does: a run directory holding the checkpoint itself and a tokenizer keeps
+    both, and a second export with fewer shards leaves none of the first's behind."""
+    engine, gpt = _trained_engine(tmp_path)
+    run = tmp_path / "run"
+    try:
+        engine.save_checkpoint(str(run / "checkpoints"), "step3")
+        engine.export(str(tmp_path / "live.safetensors"))
+    finally:
+        engine.close()
+    (run / "tokenizer.json").write_text("{}")
+    assert main(["export", str(run / "checkpoints"), str(run), "--max-shard-size", "400K"]) == 0
+    sharded = sorted(f for f in os.listdir(run) if f.startswith("model"))
+    assert len(sharded) > 2 and "model.safetensors.index.json" in sharded
+    assert main(["export", str(run / "checkpoints"), str(run)]) == 0  # the checkpoint is still there to read
+    assert sorted(os.listdir(run)) == ["checkpoints", "model.safetensors", "tokenizer.json"]
+    assert (run / "tokenizer.json").read_text() == "{}"
+    live, got = load_file(str(tmp_path / "live.safetensors")), load_file(str(run / "model.safetensors"))
+    assert got.keys() <= live.keys() and all(torch.equal(v, live[k]) for k, v in got.items())
+    plain = GPT(gpt)
+    plain.load_state_dict(got, strict=False)  # the tied head's second name is stored once in a directory
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("via", ["engine", "offline"])
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch, via):
+    from outcore.runtime.safetensors_stream import SafetensorsWriter
+
+    engine, _ = _trained_engine(tmp_path)
+    out = tmp_path / "m.safetensors"
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "s")
+        engine.export(str(out))
+        before = out.read_bytes()
+        real, calls = SafetensorsWriter.write, []
+
+        def failing(self, name, tensor):
+            calls.append(name)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            real(self, name, tensor)
+
+        monkeypatch.setattr(SafetensorsWriter, "write", failing)
+        with pytest.raises(OSError, match="No space"):
+            if via == "engine":
+                engine.export(str(out))
+            else:
+                export_checkpoint(str(tmp_path / "ckpt"), str(out))
+    finally:
+        engine.close()
+    assert out.read_bytes() == before
+    assert not os.path.exists(f"{out}.tmp")
+
+
+@pytest.mark.parametrize("out, words", [("model.bin", "writes safetensors"), ("d.safetensors", "is a directory"),
+                                        ("f", "is a file")])
+def test_an_export_path_it_cannot_become_is_refused_before_anything_is_read(tmp_path, capsys, out, words):
+    (tmp_path / "d.safetensors").mkdir()
+    (tmp_path / "f").write_text("kept")
+    assert main(["export", str(tmp_path / "no-checkpoint-here"), str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "no checkpoint" not in err
+    assert (tmp_path / "f").read_text() == "kept" and not (tmp_path / "model.bin").exists()
