@@ -19,6 +19,8 @@ from outcore.offload.typed_fields import check_fields
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.policy import DTYPES, OFFLOADS
 
+MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
+
 
 @dataclass
 class Config:
@@ -81,8 +83,8 @@ class Config:
             v = getattr(self, key)
             if v is not None and v <= 0:
                 raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
-        if self.sub_group_size < 1024:
-            raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least 1024 elements.")
+        if self.sub_group_size < MIN_SUB_GROUP_SIZE:
+            raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least {MIN_SUB_GROUP_SIZE} elements.")
         if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
             raise ValueError(f"collective_timeout={self.collective_timeout}: must be a finite number of seconds > 0.")
         _check_optimizer(self.optimizer)

@@ -33,6 +33,11 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def _chunk_pages(sizes: list[tuple[int, int]], elem_bytes: int) -> int:
+    """Page-rounded bytes of chunks given as (elements, count), each chunk its own key."""
+    return sum(n * _pages(size * elem_bytes) for size, n in sizes)
+
+
 @dataclass(frozen=True, slots=True)
 class UnitShape:
     """One unit as the plan sees it: elements of this rank's shard and of the whole (padded) buffer."""
@@ -182,20 +187,19 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     work_on_device = opt_on == "none"
     resident, aliased, in_place = policy.resident, policy.aliased, policy.master_is_param
     state_elem = 8 if in_place else 12  # [m|v] or [master|m|v], fp32
-    chunks = [[b - a for a, b in policy.chunk_bounds(u.shard)] for u in units if not u.frozen]
-    flat = [c for cs in chunks for c in cs]
-    chunk = max(flat, default=0)
+    sizes = [policy.chunk_sizes(u.shard) for u in units if not u.frozen]  # (elements, count) per unit
+    chunk = max((size for ss in sizes for size, _ in ss), default=0)
+    n_chunks = sum(n for ss in sizes for _, n in ss)
 
     param_all = sum(_pages(u.shard * elem) for u in units)  # one key per unit
-    unit_states = tuple(0 if u.frozen else sum(_pages((b - a) * state_elem) for a, b in policy.chunk_bounds(u.shard))
-                        for u in units)
+    unit_states = tuple(0 if u.frozen else _chunk_pages(policy.chunk_sizes(u.shard), state_elem) for u in units)
     state_all = sum(unit_states)
-    grad_all = sum(_pages(c * 4) for c in flat)
+    grad_all = sum(_chunk_pages(ss, 4) for ss in sizes)
     # One micro-step, overlapped, and the gradient already where the update runs: the update takes
     # the shard itself (no store key), and backward waits while HANDED_OVER of them are in flight.
     handed_over = policy.hands_over
     if overlapped:
-        grad_all = max((sum(_pages(c * 4) for c in cs) for cs in chunks), default=0)
+        grad_all = max((_chunk_pages(ss, 4) for ss in sizes), default=0)
     largest_unit = max(_pages(u.shard * elem) for u in units)
     full = [_pages(u.padded * elem) for u in units]
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
@@ -250,7 +254,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         # (during backward, the unit expected next: runtime/update_stream.py); `depth` of them at
         # the least, READ_AHEAD_BYTES' worth with room ([Note: optimizer read-ahead]).
         chunk_states = _pages(chunk * state_elem) + PAGE
-        ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), len(flat)))
+        ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), n_chunks))
         host["runtime"] += (ample + 1) * chunk_states
         host_min += (depth + 1) * chunk_states
     else:

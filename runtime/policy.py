@@ -149,8 +149,18 @@ class StatePolicy:
     def chunk_bounds(self, shard: int) -> list[tuple[int, int]]:
         """[start, end) of each optimizer chunk of a unit's shard of `shard` elements. An aliased
         unit is one chunk: its flat buffer is the stored shard, updated in one piece."""
-        step = shard if self.aliased else max(1, min(self.sub_group_size, shard))
+        step = self._chunk_step(shard)
         return [(a, min(a + step, shard)) for a in range(0, shard, step)]
+
+    def chunk_sizes(self, shard: int) -> list[tuple[int, int]]:
+        """The chunks of `chunk_bounds(shard)` as (elements, how many), without listing each one: a
+        memory plan of trillions of parameters counts them in constant time."""
+        step = self._chunk_step(shard)
+        full, rest = divmod(shard, step) if shard else (0, 0)
+        return [(size, n) for size, n in ((step, full), (rest, 1 if rest else 0)) if n]
+
+    def _chunk_step(self, shard: int) -> int:
+        return max(1, shard if self.aliased else min(self.sub_group_size, shard))
 
     # -- when updates run -------------------------------------------------------------------------
 

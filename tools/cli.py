@@ -6,8 +6,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
+from outcore.runtime.config import MIN_SUB_GROUP_SIZE
 from outcore.runtime.policy import OFFLOADS
 from outcore.tools.interrupts import Interrupted, handle_signals
 from outcore.tools.presets import PRESETS
@@ -22,6 +24,7 @@ from outcore.tools.units import (
     positive_int,
 )
 
+T = TypeVar("T")
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 PRESET_NAMES = [name for name in PRESETS if not name.startswith("bench")]
 
@@ -30,16 +33,31 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def _sizes(text: str) -> list[int]:
-    return parse_list(text, parse_size)
+def _typed(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser raising ValueError, whose words reach the user (argparse
+    would print only the parser's name)."""
+    def typed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
 
 
-def _ints(text: str) -> list[int]:
-    return parse_list(text, int)
+_size, _count = _typed(parse_size), _typed(parse_count)
+_sizes = _typed(lambda text: parse_list(text, parse_size))
+_ints = _typed(lambda text: parse_list(text, int))
+_words = _typed(lambda text: parse_list(text, str.strip))
 
 
-def _words(text: str) -> list[str]:
-    return parse_list(text, str.strip)
+@_typed
+def _sub_group_size(text: str) -> int:
+    value = parse_count(text)
+    if value < MIN_SUB_GROUP_SIZE:
+        raise ValueError(f"{text!r}: an optimizer chunk is at least {MIN_SUB_GROUP_SIZE} elements")
+    return value
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -55,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench-disk", help="read/write throughput of a directory per I/O setting")
     b.add_argument("--dir", required=True, help="directory on the disk to measure")
-    b.add_argument("--size", type=parse_size, default=parse_size("4G"), help="file size (default 4G)")
+    b.add_argument("--size", type=_size, default=parse_size("4G"), help="file size (default 4G)")
     b.add_argument("--block-size", type=_sizes, default=_sizes("128K,1M,8M"))
     b.add_argument("--queue-depth", type=_ints, default=_ints("1,8,32"))
     b.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
@@ -87,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=positive_float, help="peak learning rate (default by preset)")
     t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="global norm clip; 0 turns it off (default 1.0)")
-    t.add_argument("--host-budget", type=parse_size, help="bytes of host memory for the store (default: derived)")
-    t.add_argument("--device-budget", type=parse_size)
+    t.add_argument("--host-budget", type=_size, help="bytes of host memory for the store (default: derived)")
+    t.add_argument("--device-budget", type=_size)
     t.add_argument("--prefetch-depth", type=non_negative_int)
     t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
     t.add_argument("--eval-batches", type=positive_int, default=4)
@@ -106,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="per-tier bytes per rank for a model, stage and offload setting")
     which = e.add_mutually_exclusive_group(required=True)
-    which.add_argument("--params", type=parse_count, help="parameter count, e.g. 13B (a GPT of that size)")
+    which.add_argument("--params", type=_count, help="parameter count, e.g. 13B (a GPT of that size)")
     which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory "
                        "(sized from its config.json) or module:factory")
     e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
@@ -119,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefetch-depth", type=non_negative_int, default=2)
     e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="where compute runs; cpu: DEVICE is RAM too, and the whole prefetch window is on it")
-    e.add_argument("--sub-group-size", type=parse_count, default=1 << 22, help="elements per optimizer chunk")
+    e.add_argument("--sub-group-size", type=_sub_group_size, default=1 << 22, help="elements per optimizer chunk")
     e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
     e.add_argument("--accumulate", type=positive_int, metavar="K", help="also size the activation keys a "
                    "train_batch of K micro-batches keeps (needs --batch and --seq, and a GPT shape or model directory)")
@@ -131,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file or an HF directory")
     x.add_argument("checkpoint", help="a checkpoint directory (its latest tag is used) or a tag folder")
     x.add_argument("out", help="the .safetensors file to write, or a directory for the Hugging Face layout")
-    x.add_argument("--max-shard-size", type=parse_size, default=5_000_000_000,
+    x.add_argument("--max-shard-size", type=_size, default=5_000_000_000,
                    help="with a directory: bytes per shard at most (default 5G)")
     x.add_argument("--tag", help="which tag of the checkpoint directory (default: latest)")
     x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype (default: the run's)")
@@ -151,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
     u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
     u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
-    u.add_argument("--max-rss", type=parse_size, help="reject candidates whose peak RSS is above this")
+    u.add_argument("--max-rss", type=_size, help="reject candidates whose peak RSS is above this")
     u.add_argument("--timeout", type=positive_float, default=1800, help="seconds per candidate (default 1800)")
     u.add_argument("--json", metavar="PATH")
     u.set_defaults(run=_tune)

@@ -79,6 +79,10 @@ CASES = [  # (id, argv or a function making it, exit status, words the one line 
     ("config value out of range", lambda p: _config(p, {"grad_clip": -1}), 2, "grad_clip=-1.0"),
     ("--steps 0", [*QUICK, "--steps", "0"], 2, "is not a whole number of at least 1"),
     ("--timeout nan", [*QUICK, "--timeout", "nan"], 2, "is not a finite number above 0"),
+    ("--device-budget not a size", [*QUICK, "--device-budget", "lots"], 2, "'lots' is not a size; write e.g."),
+    ("--params not a count", ["estimate", "--params", "many"], 2, "'many' is not a count; write e.g. 125M"),
+    ("--sub-group-size too small", ["estimate", "--params", "1B", "--sub-group-size", "8"], 2, "at least 1024"),
+    ("export to a .bin", ["export", "ckpt", "model.bin"], 2, "outcore writes safetensors"),
 ]
 
 

@@ -32,6 +32,25 @@ def test_chunks_cover_the_shard_in_order_each_at_most_sub_group_size(shard, grou
     assert all(prev[1] == nxt[0] for prev, nxt in zip(bounds, bounds[1:], strict=False))
 
 
+@pytest.mark.parametrize("aliased", [False, True])
+@pytest.mark.parametrize("shard", [0, 1, 4095, 4096, 4097, 3 * 4096, 10_000])
+def test_chunk_sizes_count_the_chunks_chunk_bounds_lists(shard, aliased):
+    p = policy(offload_params="none", offload_optimizer="none") if aliased else policy()
+    p = dataclasses.replace(p, sub_group_size=4096)
+    listed = [b - a for a, b in p.chunk_bounds(shard)]
+    counted = [size for size, n in p.chunk_sizes(shard) for _ in range(n)]
+    assert counted == listed
+
+
+def test_the_plan_of_a_trillion_parameter_gpt_counts_chunks_without_listing_them(monkeypatch):
+    """Four million chunks a unit: listing them took minutes and gigabytes; the plan is arithmetic."""
+    monkeypatch.setattr(StatePolicy, "chunk_bounds", lambda self, shard: pytest.fail("chunks listed"))
+    trillion = estimate([12 * 16384**2] * 300 + [1024 * 10**6], stage=3, offload_params="nvme",
+                        offload_optimizer="nvme", sub_group_size=1024)
+    blocks = 300 * 12 * 16384**2 + 1024 * 10**6
+    assert trillion.optimizer_states == 12 * blocks  # [master|m|v] fp32, chunks a whole number of pages
+
+
 def test_an_aliased_unit_is_one_chunk_whatever_sub_group_size():
     aliased = policy(offload_params="none", offload_optimizer="none", sub_group_size=1024)
     assert aliased.aliased and aliased.chunk_bounds(10_000) == [(0, 10_000)]
