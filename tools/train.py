@@ -293,10 +293,11 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
     }
-    losses = f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history else " (it had already reached --steps)"
+    losses = (f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history
+              else f" (the checkpoint is at step {start}, and --steps is {steps})")
     val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
     report(f"outcore train: done. {job.name} ({job.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
-           f"model states) trained {steps - start} steps{losses}{val_text}; parameters in "
+           f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")
     return summary

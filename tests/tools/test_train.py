@@ -46,6 +46,9 @@ def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
     assert resumed["start_step"] == 4
     again = train(TrainOptions(steps=8, out="split", resume=True, **common), report=lambda _: None)
     assert again["start_step"] == 8 and again["losses"] == []  # nothing left to do, and it says so
+    said: list[str] = []
+    fewer = train(TrainOptions(steps=6, out="split", resume=True, **common), report=said.append)
+    assert fewer["losses"] == [] and "trained 0 steps (the checkpoint is at step 8, and --steps is 6)" in said[-1]
     assert resumed["losses"] == whole["losses"][4:]  # bit for bit: same data, same states
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]  # scratch removed
 
