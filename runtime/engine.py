@@ -163,6 +163,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
+        self._refuse_a_full_window()
         self.phase = Phase.BACKWARD
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -185,11 +186,25 @@ class Engine:
         a reentrant checkpoint runs a nested pass, whose end is not the end of backward."""
         if self.phase is Phase.BACKWARD:
             return
+        self._refuse_a_full_window()
         if self.scaler.enabled:
             raise RuntimeError("fp16 training needs engine.backward(loss) in place of loss.backward(): the "
                                "engine scales the loss there, and unscaled fp16 gradients would underflow.")
         self.phase = Phase.BACKWARD
         self._plain_backward = True
+
+    def _refuse_a_full_window(self) -> None:
+        """A backward pass beyond the window's `grad_accumulation`, before `step()`: its gradient
+        would be summed into one the norm has already been taken of, and without clipping the
+        updates have already spent it. So it is refused, before any gradient of it lands."""
+        if not self.gradients.window_complete:
+            return
+        self._reshard_all()  # what the refused pass's forward gathered for it
+        spent = ", and its updates already ran during backward" if self.policy.overlapped else ""
+        raise RuntimeError(f"a backward pass beyond grad_accumulation={self.config.grad_accumulation} before step(): "
+                           f"this step's gradients are complete{spent}, so another pass cannot be summed into "
+                           "them. Call engine.step() first; for several backward passes per step set "
+                           "Config(grad_accumulation=K), or sum the losses and call backward once.")
 
     def _end_plain_backward(self) -> None:
         """The engine is called again after a plain `loss.backward()` (`_engine_call`, `close`): its

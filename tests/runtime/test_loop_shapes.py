@@ -125,3 +125,29 @@ def test_a_forward_whose_output_has_no_backward_leaves_the_next_step_exact(tmp_p
     said = [r.message for r in caplog.records if "its update waited for the end of backward" in r.message]
     assert len(said) == 1 and "ran 2 times in forward and got 1 gradients" in said[0]
     engine.close()
+
+
+@pytest.mark.parametrize("plain_backward", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_backward_beyond_the_accumulation_window_is_refused_and_the_step_stays_exact(tmp_path, clip,
+                                                                                       plain_backward):
+    """Two backward passes before step() with grad_accumulation=1: the second was summed into a
+    gradient whose norm was already taken (clipping by the first pass's norm), or, with updates in
+    backward, crashed on a gradient the update had spent. It is refused before any of it lands, and
+    step() then applies the first pass's gradient as a plain loop of one backward per step would."""
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                         grad_clip=clip)
+    ours_model, ref_model = twins(lambda: TinyGPT(tied=False))
+    data = batches(3)
+    engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
+    ours = []
+    for x, y in data:
+        loss = engine(x, y)
+        engine.backward(loss)
+        extra = engine(y, x)
+        with pytest.raises(RuntimeError, match=r"beyond grad_accumulation=1 before step\(\).*engine\.step\(\) first"):
+            extra.backward() if plain_backward else engine.backward(extra)
+        engine.step()
+        ours.append(loss.item())
+    assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
+    engine.close()
