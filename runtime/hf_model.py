@@ -20,6 +20,18 @@ def lora_init(model: nn.Module) -> object:
     return getattr(config, "init_lora_weights", True)
 
 
+def hf_checkpointing(model: nn.Module) -> Callable[[], None] | None:
+    """A Hugging Face model's own activation checkpointing, non-reentrant (the engine's hooks then see
+    both passes), as a call that turns it on; None for a model without it. transformers 5 names it
+    `activation_checkpointing_enable` (the older name warns), earlier ones `gradient_checkpointing_enable`."""
+    for name, kwargs in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                         ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
+        enable = getattr(model, name, None)
+        if callable(enable):
+            return lambda: enable(**{kwargs: {"use_reentrant": False}})
+    return None
+
+
 def hf_config(model: nn.Module) -> object | None:
     """The Hugging Face config a model carries (`model.config` with `save_pretrained`), if any."""
     config = getattr(model, "config", None)

@@ -26,11 +26,18 @@ import time
 
 import torch
 
+from outcore.runtime.hf_model import hf_checkpointing
 from outcore.tools.units import parse_size
 
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _checkpointing(model: torch.nn.Module) -> None:
+    enable = hf_checkpointing(model)
+    assert enable is not None, "a Hugging Face model checkpoints its activations itself"
+    enable()
 
 
 def make_model(directory: str, layers: int, hidden: int) -> str:
@@ -67,7 +74,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         t0 = time.perf_counter()
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
         if checkpoint:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpointing(base)
         model = peft.get_peft_model(base, lora)
         load = time.perf_counter() - t0
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -83,7 +90,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
     with outcore.deferred_init():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     if checkpoint:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpointing(model)
     if kind == "lora":
         model = peft.get_peft_model(model, lora)
     config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,

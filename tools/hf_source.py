@@ -37,7 +37,8 @@ class HFModel:
         try:
             return AutoConfig.from_pretrained(self.directory, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(f"--model {self.directory!r}: its config.json does not load ({e}).") from e
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
 
     def build(self) -> nn.Module:
         """The model, parameters on the meta device, with LoRA adapters when asked for."""

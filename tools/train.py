@@ -21,6 +21,7 @@ from outcore import runtime
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint_folder import find_checkpoint
+from outcore.runtime.hf_model import hf_checkpointing
 from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested
@@ -193,10 +194,10 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         model = job.build()
         checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
                          else job.checkpoint_activations)
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if callable(enable):  # a Hugging Face model: its own, non-reentrant (the engine's hooks see both passes)
+        enable = hf_checkpointing(model)
+        if enable is not None:  # a Hugging Face model: its own
             if checkpointing:
-                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable()
         else:  # read by outcore's GPT (and by any model of one's own that honours it)
             setattr(model, "checkpoint_activations", checkpointing)  # noqa: B010
         hp = runtime.AdamW(**hyper)

@@ -3,6 +3,7 @@ logits and generations as transformers, fine-tuning equal to plain PyTorch, and 
 directory that transformers loads back."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import outcore
+from outcore.runtime.hf_model import hf_checkpointing
 
 KINDS = ["llama-tied", "llama", "qwen2", "gpt2"]
 HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -196,7 +198,12 @@ def test_lora_with_the_models_own_activation_checkpointing_equals_plain_peft(tmp
     directory = save_model("llama", str(tmp_path / "m"))
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     model = deferred(directory)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = hf_checkpointing(model)
+    assert enable is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers 5's name, not the deprecated one
+        enable()
+    assert model.is_gradient_checkpointing
     model = peft.get_peft_model(model, lora)
     engine = outcore.Engine(model, nvme_config(tmp_path, grad_clip=1.0), outcore.AdamW(**HP), weights=directory)
     start = engine.full_state_dict()

@@ -91,6 +91,7 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
 
 @pytest.mark.parametrize(("damage", "message"), [
     ("no-config", "no config.json"),
+    ("unknown-model-type", "its config.json does not load"),
     ("no-tokenizer", "no tokenizer found"),
     ("no-data", "--data"),
     ("bad-jsonl", "line 2"),
@@ -100,6 +101,12 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
     if damage == "no-config":
         os.unlink(os.path.join(model_dir, "config.json"))
+    elif damage == "unknown-model-type":  # transformers explains over several lines: the first is said
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**cfg, "model_type": "no-such-architecture"}, f)
     elif damage == "no-tokenizer":
         for f in os.listdir(model_dir):
             if f.startswith("tokenizer") or f == "special_tokens_map.json":
