@@ -86,6 +86,7 @@ class MemoryPlan:
     nvme: TierBytes
     device_min: int  # the smallest device budget the engine can run with
     host_min: int  # the smallest host budget
+    host_needs: tuple[tuple[str, int], ...] = ()  # what host_min holds: (what, bytes)
     optimizer_states: int = 0  # every chunk's fp32 optimizer state, wherever it rests
     optimizer_on_nvme: bool = False
     unit_states: tuple[int, ...] = ()  # each unit's optimizer-state bytes, by unit index (0: frozen)
@@ -167,8 +168,10 @@ class MemoryPlan:
                              f"({self.device_min:,} bytes for this model and offload setting); raise it or "
                              "offload more.")
         if host < self.host_min:
-            raise ValueError(f"host_budget={host:,} bytes cannot hold the optimizer's working set "
-                             f"({self.host_min:,} bytes); raise it to at least that, or lower sub_group_size.")
+            needs = "; ".join(f"{what}: {n:,}" for what, n in self.host_needs)
+            chunks = ", or lower sub_group_size" if self.optimizer_on_nvme else ""
+            raise ValueError(f"host_budget={host:,} bytes cannot hold what host memory must hold at once "
+                             f"({self.host_min:,} bytes; {needs}); raise it to at least that{chunks}.")
         return device, max(host, 4096)
 
     def as_dict(self) -> dict:
@@ -231,11 +234,13 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         dev_min = 2 * (largest_unit + PAGE)
         dev["runtime"] += max((near + 1) * (largest_unit + PAGE), dev_min)
     host_min = param_all if params_on == "cpu" else 0
+    host_needs = [("the parameters, which rest there", param_all)] if params_on == "cpu" else []
     if params_on == "nvme":
         # Updated shards stay in memory and reach NVMe only when evicted (on a CPU, one evicted from
         # DEVICE goes to HOST first while HOST has room): with room, HOST caches them all.
         host["runtime"] += param_all
         host_min += largest_unit + PAGE
+        host_needs.append(("the largest unit's parameters read from NVMe", largest_unit + PAGE))
     work = dev if work_on_device else host
     work["gathered" if handed_over else "runtime"] += grad_all * (HANDED_OVER if handed_over else 1)
     # The update holds one unit's parameter shard: aliased ones and, on a CPU, the master ones where
@@ -257,8 +262,10 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), n_chunks))
         host["runtime"] += (ample + 1) * chunk_states
         host_min += (depth + 1) * chunk_states
+        host_needs.append((f"{depth + 1} optimizer chunks on their way to and from NVMe", (depth + 1) * chunk_states))
     else:
         host_min += state_all
+        host_needs.append(("the optimizer states, which rest there", state_all))
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
     # The units whose updates backward cannot hide: the root's and the large modules outside the
@@ -268,5 +275,6 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     outer = [i for i in others if units[i].outer]
     entry = tuple(i for i, root in enumerate(roots) if root) + tuple(outer or others[:1])
     return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
+                      host_needs=tuple(host_needs),
                       optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme", unit_states=unit_states,
                       entry=entry, read_ahead_least=depth, read_ahead_ample=ample)

@@ -68,10 +68,15 @@ def test_deferred_init_is_reproducible_and_never_whole(tmp_path):
         e.close()
 
 
-def test_budgets_too_small_fail_before_training(tmp_path):
-    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+@pytest.mark.parametrize(("offload", "holds"), [
+    (("nvme", "nvme"), r"the largest unit's parameters read from NVMe: [\d,]+; 3 optimizer chunks on their way .*"
+                       r"raise it to at least that, or lower sub_group_size\.$"),
+    (("cpu", "none"), r"\(([\d,]+) bytes; the parameters, which rest there: \1\); raise it to at least that\.$"),
+])
+def test_budgets_too_small_fail_before_training_saying_what_the_budget_must_hold(tmp_path, offload, holds):
+    cfg = outcore.Config(stage=3, offload_params=offload[0], offload_optimizer=offload[1], nvme_dir=str(tmp_path),
                          host_budget=8192)
-    with pytest.raises(ValueError, match="host_budget=8,192 bytes .* raise it to at least"):
+    with pytest.raises(ValueError, match=r"host_budget=8,192 bytes cannot hold what host memory must hold .*" + holds):
         outcore.Engine(TinyGPT(), cfg)
 
 
