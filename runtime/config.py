@@ -143,9 +143,21 @@ class Config:
             json.dump(self.to_dict(), f, indent=2)
 
     @classmethod
-    def from_deepspeed(cls, ds: dict[str, Any]) -> Config:
-        """Translate a DeepSpeed ds_config; every key read but not used is warned about once."""
-        return cls.from_dict(translate_deepspeed(ds))
+    def from_deepspeed(cls, ds: dict[str, Any] | str | os.PathLike) -> Config:
+        """Translate a DeepSpeed ds_config, a mapping or the path of its JSON file (as
+        `deepspeed.initialize(config=...)` takes either); every key read but not used is warned
+        about once."""
+        if not isinstance(ds, (str, os.PathLike)):
+            return cls.from_dict(translate_deepspeed(ds))
+        path = os.fspath(ds)
+        try:
+            with open(path) as f:
+                loaded = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read DeepSpeed config {path!r}: {e.strerror}") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"DeepSpeed config {path!r} is not JSON: {e}") from e
+        return cls.from_dict(translate_deepspeed(loaded))
 
 
 def _check_optimizer(hp: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
         elif key == "aio":
             aio = _section(key, value)
             for ds_key, ours in _AIO_KEYS.items():
-                if _given(aio.get(ds_key)):
+                if _given(f"aio.{ds_key}", aio.get(ds_key)):
                     io[ours] = _whole(f"aio.{ds_key}", aio[ds_key])
             _ignore_rest("aio", aio, set(_AIO_KEYS))
         elif key in ("bf16", "fp16"):
@@ -38,17 +38,17 @@ def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
             enabled = precision.get("enabled", False)
             if enabled not in (True, False, "auto"):
                 raise ValueError(f"from_deepspeed: {key}.enabled={enabled!r}: must be true, false or \"auto\".")
-            if enabled is True:
+            if _given(f"{key}.enabled", enabled) and enabled:
                 if "dtype" in out:
                     raise ValueError("from_deepspeed: bf16.enabled and fp16.enabled are both true; enable one.")
                 out["dtype"] = key
             _ignore_rest(key, precision, {"enabled"})
         elif key == "gradient_clipping":
-            if _given(value):
+            if _given(key, value):
                 clip = _number(key, value)
                 out["grad_clip"] = clip if clip > 0 else None  # DeepSpeed's 0: no clipping
         elif key == "gradient_accumulation_steps":
-            if _given(value):
+            if _given(key, value):
                 out["grad_accumulation"] = _whole(key, value)
         elif key == "optimizer":
             out["optimizer"] = _optimizer(_section(key, value))
@@ -60,12 +60,12 @@ def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
 
 
 def _zero(z: dict[str, Any], out: dict[str, Any]) -> None:
-    if _given(z.get("stage")):
+    if _given("zero_optimization.stage", z.get("stage")):
         stage = _whole("zero_optimization.stage", z["stage"])
         if stage not in (1, 2, 3):
             raise ValueError(f"from_deepspeed: zero_optimization.stage={stage}: outcore shards at stage 1, 2 or 3.")
         out["stage"] = stage
-    if _given(z.get("sub_group_size")):
+    if _given("zero_optimization.sub_group_size", z.get("sub_group_size")):
         out["sub_group_size"] = _whole("zero_optimization.sub_group_size", z["sub_group_size"])
     for ds_key, ours in (("offload_param", "offload_params"), ("offload_optimizer", "offload_optimizer")):
         if z.get(ds_key) is None:
@@ -87,14 +87,19 @@ def _optimizer(section: dict[str, Any]) -> dict[str, Any]:
     if kind not in ("adamw", "adam"):
         raise ValueError(f"optimizer.type={section.get('type')!r}: outcore provides AdamW only.")
     params = _section("optimizer.params", section.get("params", {}))
-    hp: dict[str, Any] = {k: _number(f"optimizer.params.{k}", params[k]) for k in _ADAMW_KEYS if _given(params.get(k))}
-    if _given(params.get("betas")):
+    if kind == "adam" and params.get("adam_w_mode", True) is False:
+        # DeepSpeed's Adam is AdamW unless adam_w_mode is false: weight decay added to the gradient (L2)
+        raise ValueError("from_deepspeed: optimizer \"Adam\" with adam_w_mode false decays weights as L2 in the "
+                         "gradient; outcore provides AdamW only, whose decay is decoupled. Use type \"AdamW\".")
+    hp: dict[str, Any] = {k: _number(f"optimizer.params.{k}", params[k]) for k in _ADAMW_KEYS
+                          if _given(f"optimizer.params.{k}", params.get(k))}
+    if _given("optimizer.params.betas", params.get("betas")):
         betas = params["betas"]
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise ValueError(f"from_deepspeed: optimizer.params.betas={betas!r}: must be two numbers, "
                              "e.g. [0.9, 0.999].")
         hp["betas"] = tuple(_number("optimizer.params.betas", b) for b in betas)
-    _ignore_rest("optimizer.params", params, set(_ADAMW_KEYS) | {"betas"})
+    _ignore_rest("optimizer.params", params, set(_ADAMW_KEYS) | {"betas", "adam_w_mode"})
     _ignore_rest("optimizer", section, {"type", "params"})
     return hp
 
@@ -120,8 +125,14 @@ def _number(where: str, value: Any) -> float:
     return float(value)
 
 
-def _given(v: Any) -> bool:
-    return v is not None and v != "auto"
+def _given(where: str, v: Any) -> bool:
+    """Set to a value. "auto" is not one: the Hugging Face Trainer fills it in from its own
+    arguments before DeepSpeed reads it; outcore has no such arguments, so it says so once."""
+    if v == "auto":
+        log.warning('from_deepspeed: %s is "auto", which the Hugging Face Trainer fills in from its own arguments; '
+                    "outcore took its own default for it (give a value to choose)", where)
+        return False
+    return v is not None
 
 
 def _ignore_rest(where: str, section: dict[str, Any], used: set[str]) -> None:

@@ -93,3 +93,30 @@ def test_from_deepspeed_refuses_what_it_cannot_do():
         Config.from_deepspeed({"optimizer": {"type": "Lamb"}})
     with pytest.raises(ValueError, match="needs stage=3"):
         Config.from_deepspeed({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
+
+
+def test_from_deepspeed_reads_a_json_path_and_says_what_auto_became(tmp_path, caplog):
+    ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}},
+          "zero_optimization": {"stage": 3}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with caplog.at_level(logging.WARNING):
+        c = Config.from_deepspeed(tmp_path / "ds.json")
+    assert c == Config.from_deepspeed(str(tmp_path / "ds.json"))
+    assert (c.stage, c.grad_accumulation, c.grad_clip, c.dtype) == (3, 1, 1.0, "fp32")
+    assert c.optimizer == {"weight_decay": 0.1}
+    warned = [r.message for r in caplog.records if '"auto"' in r.message]
+    for key in ("gradient_accumulation_steps", "gradient_clipping", "bf16.enabled", "optimizer.params.lr"):
+        assert any(m.startswith(f"from_deepspeed: {key} is \"auto\"") for m in warned), key
+    with pytest.raises(ValueError, match="cannot read DeepSpeed config .*no-such.json"):
+        Config.from_deepspeed(tmp_path / "no-such.json")
+    (tmp_path / "bad.json").write_text("{stage: 3")
+    with pytest.raises(ValueError, match="bad.json' is not JSON"):
+        Config.from_deepspeed(tmp_path / "bad.json")
+
+
+def test_from_deepspeed_refuses_adam_with_l2_decay():
+    """DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; that one is not what outcore runs."""
+    assert Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}).optimizer == {"lr": 1e-4}
+    with pytest.raises(ValueError, match=r"adam_w_mode false decays weights as L2.*Use type \"AdamW\""):
+        Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}}})
