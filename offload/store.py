@@ -85,6 +85,9 @@ class TieredStore(Moves, Writes, Budgets):
         (optimizer states streamed through HOST): after each dirty release the store sends it back
         at once, instead of when it next needs the room.
         """
+        if tensor.is_meta:
+            raise ValueError(f"put({key!r}): a tensor on the meta device has no bytes to store; materialize it "
+                             "first, or stage() the key and fill it in place.")
         dtype = dtype or tensor.dtype
         staged = self.stage(key, tuple(tensor.shape), dtype, tier, return_home=return_home)
         try:

@@ -132,6 +132,9 @@ def test_misuse_gets_clear_errors(make_store):
     with pytest.raises(ValueError, match="release it before fetching it to DEVICE"):
         store.fetch("k", Tier.DEVICE)
     store.release("k")
+    with pytest.raises(ValueError, match="meta device has no bytes"):
+        store.put("m", torch.ones(4, device="meta"), Tier.NVME)
+    assert "m" not in store
 
 
 def test_a_failed_put_keeps_the_old_value(make_store):
