@@ -264,11 +264,15 @@ def _train(args: argparse.Namespace) -> int:
                         save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
                         checkpoint_activations=args.checkpoint_activations, seed=args.seed,
                         collective_timeout=args.timeout, accumulate=args.accumulate)
+    # Under torchrun every rank runs this; rank 0 speaks and writes the summary, as DeepSpeed and
+    # the Hugging Face Trainer log on the main process only. An error is said by each rank it hits.
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
-        summary = train(opts, report=lambda line: print(line, flush=True))
+        summary = train(opts, report=(lambda line: print(line, flush=True)) if main_rank else (lambda line: None))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    write_json(args.json, summary)
+    if main_rank:
+        write_json(args.json, summary)
     return EXIT_OK
 
 

@@ -57,17 +57,28 @@ class ByteCorpus:
             i += 1
         return bytes(out)
 
-    def batch(self, batch: int, seq: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """`batch` random windows of seq+1 bytes: inputs and next-byte targets, int64."""
+    def batch(self, batch: int, seq: int, generator: torch.Generator,
+              shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` random windows of seq+1 bytes: inputs and next-byte targets, int64; rank r of
+        `shard` = (r, world) gets its rows of the global batch (`window_starts`)."""
         if self.nbytes <= seq + 1:
             raise ValueError(f"{self.name} has {self.nbytes} bytes; a window needs more than {seq + 1}. "
                              "Give a larger text file or a shorter --seq.")
-        starts = torch.randint(0, self.nbytes - seq - 1, (batch,), generator=generator).tolist()
+        starts = window_starts(self.nbytes - seq - 1, batch, generator, shard)
         rows = torch.empty(batch, seq + 1, dtype=torch.uint8)
         for r, s in enumerate(starts):
             rows[r] = torch.frombuffer(bytearray(self.read(s, seq + 1)), dtype=torch.uint8)
         rows = rows.long()
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def window_starts(positions: int, batch: int, generator: torch.Generator, shard: tuple[int, int]) -> list[int]:
+    """Where rank r's `batch` windows start, `shard` = (r, world): its rows of one global batch of
+    world x batch windows drawn from `generator`, so that every rank trains on different data and
+    N ranks of `batch` see what one rank of N x batch would."""
+    rank, world = shard
+    starts = torch.randint(0, positions, (batch * world,), generator=generator)
+    return starts[rank * batch : (rank + 1) * batch].tolist()
 
 
 def batch_generator(seed: int, step: int, split: str) -> torch.Generator:

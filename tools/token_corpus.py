@@ -10,18 +10,21 @@ import json
 
 import torch
 
+from outcore.tools.corpus import window_starts
+
 
 class TokenCorpus:
     def __init__(self, tokens: torch.Tensor, name: str) -> None:
         self.tokens, self.name = tokens, name
 
-    def batch(self, batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
-        """`batch` windows of `seq` tokens (a causal LM shifts its labels itself)."""
+    def batch(self, batch: int, seq: int, generator: torch.Generator, shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+        """`batch` windows of `seq` tokens (a causal LM shifts its labels itself); this rank's rows
+        of the global batch (`window_starts`)."""
         if len(self.tokens) <= seq:
             raise ValueError(f"{self.name} has {len(self.tokens)} tokens, too few for sequences of {seq}; "
                              "give more text or a smaller --seq.")
-        starts = torch.randint(0, len(self.tokens) - seq, (batch,), generator=generator)
-        return torch.stack([self.tokens[s : s + seq] for s in starts.tolist()]).long()
+        starts = window_starts(len(self.tokens) - seq, batch, generator, shard)
+        return torch.stack([self.tokens[s : s + seq] for s in starts]).long()
 
 
 def documents(path: str) -> list[str]:

@@ -21,6 +21,7 @@ from outcore import runtime
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.checkpoint_folder import find_checkpoint
+from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.hf_model import hf_checkpointing
 from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
@@ -151,10 +152,19 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, device: torch.device) -> float:
-    """Mean loss on fixed held-out batches (the same ones at every evaluation)."""
+    """Mean loss on fixed held-out batches (the same ones at every evaluation), over all ranks."""
+    shard = (engine.group.rank, engine.group.world)
     with torch.no_grad():
-        losses = [float(job_loss(engine, job, held_out.at(i), device)) for i in range(batches)]
-    return sum(losses) / len(losses)
+        losses = [float(job_loss(engine, job, held_out.at(i, shard), device)) for i in range(batches)]
+    return mean_over_ranks(engine, sum(losses) / len(losses))
+
+
+def mean_over_ranks(engine: runtime.Engine, value: float) -> float:
+    """What the report says under several ranks: the mean of their values, each on its own rows."""
+    if engine.group.world == 1:
+        return value
+    total = all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=engine.device), engine.group)
+    return float(total) / engine.group.world
 
 
 def _kept(ckpt_dir: str) -> str:
@@ -214,23 +224,25 @@ def train(opts: TrainOptions, *, report=print) -> dict:
         report(f"outcore train: {job.name}, {job.params / 1e6:,.1f}M parameters{trainable} "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
-               f"batch {opts.batch} x {job.seq} {job.tokens}")
+               f"batch {opts.batch} x {job.seq} {job.tokens}"
+               + (f" on each of {engine.group.world} ranks, each its own rows" if engine.group.world > 1 else ""))
         history, val_history = [], []
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
         accum = opts.accumulate or config.grad_accumulation
+        shard, world = (engine.group.rank, engine.group.world), engine.group.world
         with step_boundaries(), progress(steps - start, "train") as bar:
             for step in range(start, steps):
                 engine.lr = lr_at(step, steps, peak_lr)
                 t0 = time.perf_counter()
                 loss_sum = 0.0
                 if opts.accumulate:  # one train_batch: each unit read once for all the micro-batches
-                    result = engine.train_batch([job.inputs(job.train.at(step * accum + micro), device)
+                    result = engine.train_batch([job.inputs(job.train.at(step * accum + micro, shard), device)
                                                  for micro in range(accum)])
                     loss_sum = sum(result["losses"])
                 else:
                     for micro in range(accum):
-                        loss = job_loss(engine, job, job.train.at(step * accum + micro), device)
+                        loss = job_loss(engine, job, job.train.at(step * accum + micro, shard), device)
                         engine.backward(loss)
                         loss_sum += float(loss.detach())
                     result = engine.step()
@@ -242,7 +254,7 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                     engine.synchronize()
                 dt = time.perf_counter() - t0
                 now = engine.stats()
-                loss_value = loss_sum / accum
+                loss_value = mean_over_ranks(engine, loss_sum / accum)
                 if not math.isfinite(loss_value) and config.dtype != "fp16":  # fp16 scaling skips such steps
                     raise FloatingPointError(f"the loss is {loss_value} at step {step + 1}: training diverged; "
                                              "lower --lr, keep --grad-clip, or resume from an earlier checkpoint.")
@@ -252,9 +264,10 @@ def train(opts: TrainOptions, *, report=print) -> dict:
                 totals["opt"] += now["optimizer_seconds"] - before["optimizer_seconds"]
                 totals["read"] += now["bytes_read"] - before["bytes_read"]
                 totals["written"] += now["bytes_written"] - before["bytes_written"]
-                totals["tokens"] += opts.batch * job.seq * accum
                 before = now
-                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {opts.batch * job.seq * accum / dt:,.0f} tok/s "
+                step_tokens = opts.batch * job.seq * accum * world
+                totals["tokens"] += step_tokens
+                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {step_tokens / dt:,.0f} tok/s "
                         f"{dt:.2f} s (I/O wait {totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
                         f"nvme {human_bytes(now['nvme']['bytes'])}")
                 if result["skipped"]:

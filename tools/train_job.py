@@ -32,8 +32,9 @@ class Data:
     def __init__(self, corpus: Any, batch: int, seq: int, seed: int, split: str) -> None:
         self.corpus, self.batch, self.seq, self.seed, self.split = corpus, batch, seq, seed, split
 
-    def at(self, index: int) -> Any:
-        return self.corpus.batch(self.batch, self.seq, batch_generator(self.seed, index, self.split))
+    def at(self, index: int, shard: tuple[int, int] = (0, 1)) -> Any:
+        """Batch `index`: rank r's rows of it for `shard` = (r, world)."""
+        return self.corpus.batch(self.batch, self.seq, batch_generator(self.seed, index, self.split), shard)
 
 
 @dataclass
