@@ -41,7 +41,7 @@ from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft
-from outcore.runtime.hooks import register_grad_hook, register_unit_hooks
+from outcore.runtime.hooks import refuse_a_second_backward, register_grad_hook, register_unit_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
 from outcore.runtime.optimizer import AdamW
@@ -152,7 +152,10 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.phase = Phase.FORWARD
         try:
-            return self.model(*args, **kwargs)
+            output = self.model(*args, **kwargs)
+            if torch.is_grad_enabled() and (not self.policy.resident or self.policy.overlapped):
+                refuse_a_second_backward(output)
+            return output
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit

@@ -35,6 +35,26 @@ def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def refuse_a_second_backward(output: Any) -> None:
+    """Arm the autograd nodes of a forward's outputs to refuse a second backward through them
+    (`retain_graph=True`), where the engine lets the units' parameters go, or starts their updates,
+    after the first: autograd would read freed storage and fail with a bare setStorage error."""
+    for tensor in _grad_tensors(output):
+        node = tensor.grad_fn
+        if node is None:
+            continue
+        ran = [False]
+
+        def once(grad_outputs: Any, ran: list[bool] = ran) -> None:
+            if ran[0]:
+                raise RuntimeError("a second backward through the same forward (retain_graph=True): the engine let "
+                                   "the units' parameters go, or updated them, after the first. Sum the losses "
+                                   "and call backward once, or run the forward again for each backward.")
+            ran[0] = True
+
+        node.register_prehook(once)
+
+
 def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool) -> list[Any]:
     """Wire `unit` to `engine`; returns the handles (removed by `Engine.close`)."""
     module = unit.plan.module

@@ -151,3 +151,39 @@ def test_a_backward_beyond_the_accumulation_window_is_refused_and_the_step_stays
         ours.append(loss.item())
     assert_losses_match(ours, train_plain(ref_model, data, clip=clip))
     engine.close()
+
+
+@pytest.mark.parametrize("cfg", SEVERAL_USES)
+def test_a_second_backward_through_one_forward_is_refused_where_units_are_let_go(tmp_path, cfg):
+    """`loss.backward(retain_graph=True)` twice: where parameters stay whole and updates wait for
+    step(), the two passes sum as in plain PyTorch; where the engine lets units go after the first
+    pass (ZeRO-3 offload) or updates them in it, the second was a bare setStorage error from deep in
+    autograd, and is now refused by name before it runs. Either way the run goes on exactly."""
+    ours_model, ref_model = twins(lambda: TinyGPT(tied=False))
+    data = batches(3)
+    engine = outcore.Engine(ours_model, outcore.Config(nvme_dir=str(tmp_path), **cfg), outcore.AdamW(**HP))
+    refused = not engine.policy.resident or engine.policy.overlapped
+    opt = torch.optim.AdamW(ref_model.parameters(), **HP)
+    ours, ref = [], []
+    for x, y in data:
+        loss = engine(x, y)
+        loss.backward(retain_graph=True)
+        if refused:
+            with pytest.raises(RuntimeError, match=r"second backward through the same forward.*Sum the losses"):
+                loss.backward()
+        else:
+            loss.backward()
+        engine.step()
+        ours.append(loss.item())
+        opt.zero_grad()
+        plain = ref_model(x, y)
+        plain.backward(retain_graph=True)
+        if not refused:
+            plain.backward()
+        if cfg.get("grad_clip"):
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), cfg["grad_clip"])
+        opt.step()
+        ref.append(plain.item())
+    assert_losses_match(ours, ref)
+    assert refused == (cfg.get("offload_params") == "nvme")  # the configurations above: both kinds ran
+    engine.close()
