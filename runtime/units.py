@@ -14,7 +14,8 @@ dtype and is never written back.
 [Note: unit ownership] A parameter belongs to the unit whose subtree holds every module that
 registers it. A parameter shared across units (tied embeddings: the embedding in the root and the
 head in the root, or a block's weight reused elsewhere) belongs to their common ancestor's unit,
-which is the root unit, and is flattened (and updated) once. Every place it appears — (module,
+which is the root unit, and is flattened (and updated) once; so does a whole module registered
+in two blocks. Every place it appears — (module,
 attribute name) — is recorded, so the gathered view is set at each of them.
 """
 
@@ -129,7 +130,9 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
     module_unit: dict[nn.Module, UnitPlan] = {}
     for u in units:
         for m in u.module.modules():
-            module_unit[m] = u
+            # A module registered in two blocks (layers sharing a submodule) is shared as a tied
+            # weight is: its parameters are the common ancestor's, the root unit's.
+            module_unit[m] = root if module_unit.get(m, u) is not u else u
     owner: dict[nn.Parameter, UnitPlan] = {}
     slots: dict[nn.Parameter, ParamSlot] = {}
     for mod_name, m in model.named_modules(remove_duplicate=False):

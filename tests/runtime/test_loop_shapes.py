@@ -187,3 +187,26 @@ def test_a_second_backward_through_one_forward_is_refused_where_units_are_let_go
     assert_losses_match(ours, ref)
     assert refused == (cfg.get("offload_params") == "nvme")  # the configurations above: both kinds ran
     engine.close()
+
+
+class SharesAnMLP(TinyGPT):
+    """Layers 0 and 2 share one MLP module, registered in both blocks."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.blocks[2].mlp = self.blocks[0].mlp
+
+
+@pytest.mark.parametrize("cfg", SEVERAL_USES[:2])
+def test_blocks_sharing_a_submodule_train_as_plain_pytorch(tmp_path, cfg):
+    """The shared module read its weight while its unit (the second block) was released: a
+    ReleasedParameterError in the first forward. The root unit owns it now, as a tied weight."""
+    ours_model, ref_model = twins(lambda: SharesAnMLP(tied=False))
+    data = batches(4)
+    losses, engine = train_engine(ours_model, outcore.Config(nvme_dir=str(tmp_path), **cfg), data)
+    assert_losses_match(losses, train_plain(ref_model, data, clip=cfg.get("grad_clip")))
+    state = engine.full_state_dict()
+    assert torch.equal(state["blocks.0.mlp.0.weight"], state["blocks.2.mlp.0.weight"])
+    torch.testing.assert_close(state["blocks.2.mlp.0.weight"], ref_model.blocks[2].mlp[0].weight, rtol=1e-4,
+                               atol=1e-5)
+    engine.close()

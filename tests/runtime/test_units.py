@@ -62,3 +62,15 @@ def test_a_lazy_module_is_named_before_anything_is_laid_out():
         plan_units(model)
     model(torch.randn(2, 5))  # shapes known now: the same model is planned
     assert [s.shape for u in plan_units(model) for s in u.slots] == [(8, 5), (8,), (1, 8), (1,)]
+
+
+def test_a_module_registered_in_two_blocks_is_owned_once_by_the_root_unit():
+    model = TinyGPT(layers=3)
+    model.blocks[2].mlp = model.blocks[0].mlp  # layers sharing a submodule
+    plans = plan_units(model)
+    shared = [s for u in plans for s in u.slots if "blocks.0.mlp.0.weight" in s.state_dict_names]
+    assert len(shared) == 1 and shared[0].state_dict_names == ["blocks.0.mlp.0.weight", "blocks.2.mlp.0.weight"]
+    owners = [u for u in plans if shared[0] in u.slots]
+    assert len(owners) == 1 and owners[0].root
+    assert not [s for u in plans if u.name in ("blocks.0", "blocks.2") for s in u.slots
+                if any(".mlp." in n for n in s.state_dict_names)]
