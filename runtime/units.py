@@ -21,10 +21,13 @@ attribute name) — is recorded, so the gathered view is set at each of them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -106,6 +109,23 @@ def _outermost(candidates) -> list[tuple[str, nn.Module]]:
     return chosen
 
 
+def _check_dtypes(model: nn.Module) -> None:
+    """Units are flat floating-point buffers in the compute dtype, with fp32 masters: an integer or
+    complex parameter cannot be one (it would be cast, and fail far from here), and a float64 one
+    trains at fp32's precision, which is said once."""
+    odd = [(n, p.dtype) for n, p in model.named_parameters() if not p.is_floating_point()]
+    if odd:
+        name, dtype = odd[0]
+        raise ValueError(f"parameter {name!r} is {dtype}{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}: "
+                         "outcore lays parameters out as floating-point units, so it cannot hold it. An index, "
+                         "mask or quantized table is state rather than a weight: register it with "
+                         "register_buffer instead.")
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        log.warning("%d float64 parameter(s) (%s%s) are trained in Config.dtype with fp32 master weights, "
+                    "not in float64", len(wide), ", ".join(wide[:3]), ", ..." if len(wide) > 3 else "")
+
+
 def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
     """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
     lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
@@ -113,6 +133,7 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
         raise ValueError(f"{type(model).__name__} has parameters whose shapes are not known yet (lazy modules: "
                          f"{', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}): run one forward on a sample "
                          "input first, then build the Engine, which lays out each parameter's shard by its shape.")
+    _check_dtypes(model)
     outer_names: set[str] = set()  # large modules outside the blocks, units only when blocks are found
     if unit_classes:
         blocks = _by_class(model, unit_classes)

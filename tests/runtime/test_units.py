@@ -74,3 +74,18 @@ def test_a_module_registered_in_two_blocks_is_owned_once_by_the_root_unit():
     assert len(owners) == 1 and owners[0].root
     assert not [s for u in plans if u.name in ("blocks.0", "blocks.2") for s in u.slots
                 if any(".mlp." in n for n in s.state_dict_names)]
+
+
+def test_an_integer_parameter_is_refused_and_a_float64_one_is_said(caplog):
+    """An integer parameter was cast into the float unit and failed far away (an IndexError in the
+    forward that used it as indices); float64 ones train at fp32 precision, which the log says."""
+    model = TinyGPT(layers=2)
+    model.blocks[1].order = nn.Parameter(torch.arange(4), requires_grad=False)
+    with pytest.raises(ValueError, match=r"parameter 'blocks.1.order' is torch.int64: .*register_buffer"):
+        plan_units(model)
+    model = TinyGPT(layers=2)
+    model.blocks[0].gain = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    with caplog.at_level("WARNING", logger="outcore.runtime.units"):
+        plan_units(model)
+    assert [r.getMessage() for r in caplog.records] == [
+        "1 float64 parameter(s) (blocks.0.gain) are trained in Config.dtype with fp32 master weights, not in float64"]
