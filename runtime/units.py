@@ -14,9 +14,9 @@ dtype and is never written back.
 [Note: unit ownership] A parameter belongs to the unit whose subtree holds every module that
 registers it. A parameter shared across units (tied embeddings: the embedding in the root and the
 head in the root, or a block's weight reused elsewhere) belongs to their common ancestor's unit,
-which is the root unit, and is flattened (and updated) once; so does a whole module registered
-in two blocks. Every place it appears — (module,
-attribute name) — is recorded, so the gathered view is set at each of them.
+which is the root unit, and is flattened (and updated) once. So does a module registered in two
+blocks, or in a block and outside it: what counts is where each registration runs. Every place it
+appears — (module, attribute name) — is recorded, so the gathered view is set at each of them.
 """
 
 from __future__ import annotations
@@ -148,19 +148,26 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
         blocks = sorted(blocks + outer, key=lambda nm: order[nm[0]])
     units = [UnitPlan(i, name, m, outer=name in outer_names) for i, (name, m) in enumerate(blocks)]
     root = UnitPlan(len(units), "", model)
-    module_unit: dict[nn.Module, UnitPlan] = {}
-    for u in units:
-        for m in u.module.modules():
-            # A module registered in two blocks (layers sharing a submodule) is shared as a tied
-            # weight is: its parameters are the common ancestor's, the root unit's.
-            module_unit[m] = root if module_unit.get(m, u) is not u else u
+    block_unit = {id(u.module): u for u in units}
+    by_path = dict(model.named_modules(remove_duplicate=False))
+
+    def unit_at(path: str) -> UnitPlan:
+        """The unit of the block this module path runs inside (by the modules along it, so that
+        another name for the same block finds it too); the root unit outside every block."""
+        parts = path.split(".") if path else []
+        for end in range(len(parts), 0, -1):
+            found = block_unit.get(id(by_path[".".join(parts[:end])]))
+            if found is not None:
+                return found
+        return root
+
     owner: dict[nn.Parameter, UnitPlan] = {}
     slots: dict[nn.Parameter, ParamSlot] = {}
-    for mod_name, m in model.named_modules(remove_duplicate=False):
+    for mod_name, m in by_path.items():
         for pname, p in m._parameters.items():
             if p is None:
                 continue
-            unit = module_unit.get(m, root)
+            unit = unit_at(mod_name)
             if p not in slots:
                 slots[p] = ParamSlot(p, p.shape, frozen=not p.requires_grad)
                 owner[p] = unit

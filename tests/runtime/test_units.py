@@ -74,6 +74,21 @@ def test_a_module_registered_in_two_blocks_is_owned_once_by_the_root_unit():
     assert len(owners) == 1 and owners[0].root
     assert not [s for u in plans if u.name in ("blocks.0", "blocks.2") for s in u.slots
                 if any(".mlp." in n for n in s.state_dict_names)]
+    model = TinyGPT(layers=3)
+    model.norm_again = model.blocks[1].ln1  # also registered outside any block
+    owners = [u for u in plan_units(model) for s in u.slots if "blocks.1.ln1.weight" in s.state_dict_names]
+    assert len(owners) == 1 and owners[0].root
+
+
+def test_another_name_for_the_blocks_changes_no_unit():
+    plain, aliased = TinyGPT(layers=3), TinyGPT(layers=3)
+    aliased.layers = aliased.blocks  # as some models keep a second attribute for their layer list
+
+    def owned(model):
+        return [(u.name, sorted(n for s in u.slots for n in s.state_dict_names if not n.startswith("layers.")))
+                for u in plan_units(model)]
+
+    assert owned(aliased) == owned(plain)
 
 
 def test_an_integer_parameter_is_refused_and_a_float64_one_is_said(caplog):
