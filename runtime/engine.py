@@ -47,7 +47,7 @@ from outcore.runtime.memory_plan import MemoryPlan, plan_memory
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.sharded_model import ShardedModel
+from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
 from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import plan_units
@@ -101,6 +101,11 @@ class Engine:
         self.device_ahead = self.policy.device_window  # units of the prefetch window asked onto DEVICE
         self.phase = Phase.IDLE
         self.global_step = 0
+        if any(isinstance(p, AnchorParameter) for p in model.parameters()):
+            raise ValueError(f"this {type(model).__name__} is already wrapped by an outcore Engine: its parameters "
+                             "are in that engine's store (gone with it once closed). Keep using that engine, or "
+                             "build the model again; a saved run comes back with load_checkpoint, an export with "
+                             "weights=.")
         state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
         plans = plan_units(model, config.unit_classes)
@@ -364,6 +369,8 @@ class Engine:
         finally:
             for h in self._hooks:
                 h.remove()
+            for unit in self.units:
+                unit.mark_closed()
             try:
                 self.store.close()
             finally:

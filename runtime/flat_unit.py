@@ -231,6 +231,11 @@ class FlatUnit:
                 setattr(module, name, view)
         self.views_bound = True
 
+    def mark_closed(self) -> None:
+        """The engine closed: its stand-ins, read from now on, say that the values are gone for good."""
+        for placeholder in self._placeholders:
+            placeholder.engine_closed = True
+
     def release_views(self) -> None:
         """Point every module attribute of the unit's parameters at its `ReleasedParameter`: a view
         left there would read memory the flat buffer no longer has (runtime/released.py)."""

@@ -37,12 +37,14 @@ class ReleasedParameter(torch.Tensor):
     param_name: str
     unit_name: str
     home_device: torch.device
+    engine_closed: bool  # set by Engine.close(): the values are gone, not just elsewhere
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, requires_grad: bool, device: torch.device,
                 name: str, unit: str) -> ReleasedParameter:
         t = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), requires_grad)
         t.param_name, t.unit_name, t.home_device = name, unit, device
+        t.engine_closed = False
         return t
 
     @classmethod
@@ -54,6 +56,11 @@ class ReleasedParameter(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         leaves, _ = tree_flatten((args, kwargs or {}))
         released = next(t for t in leaves if isinstance(t, ReleasedParameter))
+        if released.engine_closed:
+            raise ReleasedParameterError(
+                f"{released.param_name} was read after the engine holding it was closed: its values went with "
+                "the engine's store. Read trained weights before close() (engine.full_state_dict(), "
+                "engine.export(path)), or load a checkpoint or an export into a model built anew.")
         raise ReleasedParameterError(
             f"{released.param_name} was read while its unit ({released.unit_name}) is released: under ZeRO-3 "
             "a unit's parameters exist only while its module runs. Between steps, read the weights with "

@@ -12,7 +12,7 @@ from hf_models import deferred, save_model
 from models import TinyGPT, batches
 
 import outcore
-from outcore.runtime.released import ReleasedParameter
+from outcore.runtime.released import ReleasedParameter, ReleasedParameterError
 
 
 def engine_for(tmp_path, **kw):
@@ -132,3 +132,21 @@ def test_engine_train_and_eval_set_the_model_mode(tmp_path):
         assert engine.train() is engine and model.training and model[1].training
         assert not torch.equal(engine(x), engine(x))
     engine.close()
+
+
+def test_a_model_an_engine_holds_is_refused_by_a_second_engine_and_says_so_after_close(tmp_path):
+    """A second Engine on the same model failed with the state-dict guard's words (as if the user
+    had called state_dict()); a read after close() said the unit was released, as between steps."""
+    model, engine = engine_for(tmp_path / "a", stage=3, offload_params="nvme", offload_optimizer="nvme")
+    again = outcore.Config(nvme_dir=str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="already wrapped by an outcore Engine.*build the model again"):
+        outcore.Engine(model, again)
+    x, y = batches(1, vocab=128)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.close()
+    with pytest.raises(ReleasedParameterError, match=r"tok.weight was read after the engine holding it was closed"):
+        model(x, y)
+    with pytest.raises(ValueError, match="already wrapped"):
+        outcore.Engine(model, again)
+    assert not (tmp_path / "b").exists()
