@@ -246,7 +246,9 @@ class Engine:
 
         self._batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
         self.gradients.begin_batch(count)
-        blocks = [u.plan.module for u in self.units if u.plan.module is not self.model]
+        # once each: a module with frozen parameters is two units (the trainable and its frozen sibling)
+        blocks = list({id(u.plan.module): u.plan.module for u in self.units
+                       if u.plan.module is not self.model}.values())
         try:
             with checkpointed(blocks, self.model), torch.enable_grad():
                 self.phase = Phase.FORWARD

@@ -58,8 +58,10 @@ def test_train_batch_equals_accumulation_on_a_gpt(tmp_path, stage, params, optim
     ours.close()
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, lora", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path, dtype, lora):
+    """With LoRA every layer is two units (its adapters and its frozen base), one module: wrapped
+    twice for recomputation, it was refused as a module whose forward is an instance attribute."""
     directory = save_model("llama", str(tmp_path / "llama"))
     data = token_batches(2 * K, batch=2, seq=12)
     clip = None if dtype == "fp32" else 1e9  # bf16: a norm to compare (fp32 sums of the same parts)
@@ -67,7 +69,12 @@ def test_train_batch_equals_accumulation_on_a_hugging_face_llama(tmp_path, dtype
     def engine(name, accum):
         cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / name),
                              grad_accumulation=accum, grad_clip=clip, dtype=dtype)
-        return outcore.Engine(deferred(directory), cfg, outcore.AdamW(lr=1e-3), weights=directory)
+        model = deferred(directory)
+        if lora:
+            peft = pytest.importorskip("peft")
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                               lora_dropout=0.0, init_lora_weights=False))
+        return outcore.Engine(model, cfg, outcore.AdamW(lr=1e-3), weights=directory)
 
     ref = engine("ref", K)
     ref_losses, ref_norms = [], []
