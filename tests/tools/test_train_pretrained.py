@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from hf_models import STORY, save_model, save_tokenizer, token_batches  # noqa: E402
@@ -56,6 +57,12 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     # Resume continues from the last checkpoint, and the checkpoint exports offline.
     assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "3e-2", "--resume")) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 20
+    checkpoints = str(tmp_path / "run" / "checkpoints")
+    capsys.readouterr()
+    assert main(["export", checkpoints, str(tmp_path / "merged")]) == 2  # peft names transformers cannot load
+    assert "LoRA (peft) model" in capsys.readouterr().err and not (tmp_path / "merged").exists()
+    assert main(["export", checkpoints, str(tmp_path / "all.safetensors")]) == 0
+    assert any(".lora_A." in k for k in load_file(str(tmp_path / "all.safetensors")))
 
 
 def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model_dir):
