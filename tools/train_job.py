@@ -108,7 +108,7 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     def export(engine, out: str) -> str:
         path = os.path.join(out, "adapters" if lora else "model")
         engine.export(path, adapters_only=bool(lora))
-        if not lora:
+        if not lora and engine.group.rank == 0:  # (every rank exports; rank 0 writes)
             tokenizer.save_pretrained(path)  # the directory loads as a model of its own
         return path
 
