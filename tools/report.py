@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from contextlib import contextmanager
@@ -24,7 +25,9 @@ def peak_rss() -> int:
 
 
 def write_json(path: str | None, payload: dict) -> None:
+    """`path`'s folders are made as needed: the command checked up front that they can be."""
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(payload, f, indent=2, default=str)
 

@@ -130,3 +130,12 @@ def test_two_ranks_under_torchrun_train_on_their_own_rows_as_one_rank_on_both(tm
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert [v for _, v in a["val_losses"]] == pytest.approx([v for _, v in b["val_losses"]], rel=1e-5)
     assert len([line for line in two.stdout.splitlines() if line.startswith("step 4/4")]) == 1
+
+
+def test_the_json_summary_goes_into_folders_made_for_it(tmp_path, monkeypatch):
+    """--json passed the up-front check for a folder that did not exist yet, then failed to write
+    it once training was done."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "1", "--batch", "1", "--seq", "16", "--eval-batches", "1", "--no-save",
+                 "--json", "reports/tiny/summary.json"]) == 0
+    assert json.loads((tmp_path / "reports" / "tiny" / "summary.json").read_text())["steps"] == 1
