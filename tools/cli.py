@@ -369,6 +369,9 @@ def _tune(args: argparse.Namespace) -> int:
     from outcore.tools.report import table, write_json
     from outcore.tools.tune import tune
 
+    _writable(args.out, "--out", folder=False)  # checked before a sweep that may take hours
+    if args.json:
+        _writable(args.json, "--json", folder=False)
     try:
         base = runtime.Config.from_file(args.config)
         from outcore.tools.model_source import resolve_model
@@ -401,6 +404,7 @@ def _tune(args: argparse.Namespace) -> int:
                      f"{r['io_wait_seconds']:.3f}" if c.ok else "-",
                      human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
     table(["prefetch", "block", "qd", "threads", "nice", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     best.to_file(args.out)
     print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
     write_json(args.json, {"best": best.to_dict(), "candidates": [

@@ -83,6 +83,10 @@ CASES = [  # (id, argv or a function making it, exit status, words the one line 
     ("--params not a count", ["estimate", "--params", "many"], 2, "'many' is not a count; write e.g. 125M"),
     ("--sub-group-size too small", ["estimate", "--params", "1B", "--sub-group-size", "8"], 2, "at least 1024"),
     ("export to a .bin", ["export", "ckpt", "model.bin"], 2, "outcore writes safetensors"),
+    ("tune --out is a directory", lambda p: (p / "d").mkdir() or ["tune", "--config", "c.json", "--out", "d"], 2,
+     "is a directory; name a file"),
+    ("bench-disk --dir is a file", lambda p: (p / "f").write_text("") or ["bench-disk", "--dir", "f"], 2,
+     "is a file; name a directory"),
 ]
 
 
