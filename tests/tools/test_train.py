@@ -109,26 +109,35 @@ def test_accumulate_runs_train_batch_with_the_losses_of_grad_accumulation(tmp_pa
 
 def test_two_ranks_under_torchrun_train_on_their_own_rows_as_one_rank_on_both(tmp_path):
     """Each rank takes its rows of one global batch: 2 ranks of batch 2 train as 1 rank of batch 4
-    (every rank had trained on the same rows before), and rank 0 alone reports the mean loss."""
+    (every rank had trained on the same rows before), rank 0 alone reports the mean loss, and their
+    checkpoint resumes on one rank as if it had run throughout."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["train", "--steps", "4", "--seq", "32", "--dtype", "fp32", "--offload-params", "nvme",
-            "--offload-optimizer", "nvme", "--eval-every", "2", "--eval-batches", "2", "--no-save"]
+            "--offload-optimizer", "nvme", "--eval-every", "2", "--eval-batches", "2"]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "outcore.tools.cli", *args,
-                          "--batch", "2", "--json", "two.json"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env=env)
+                          "--batch", "2", "--json", "two.json", "--out", "two"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = subprocess.run([sys.executable, "-m", "outcore.tools.cli", *args, "--batch", "4", "--json", "one.json"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    one = subprocess.run([sys.executable, "-m", "outcore.tools.cli", *args, "--batch", "4", "--json", "one.json",
+                          "--out", "one", "--steps", "6"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert one.returncode == 0, one.stderr[-3000:]
+    # The two ranks' checkpoint resumes on one rank of the whole batch, as if one rank had run throughout.
+    resumed = subprocess.run([sys.executable, "-m", "outcore.tools.cli", *args, "--batch", "4", "--json",
+                              "resumed.json", "--out", "two", "--steps", "6", "--resume"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = json.loads((tmp_path / "two.json").read_text()), json.loads((tmp_path / "one.json").read_text())
-    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
-    assert [v for _, v in a["val_losses"]] == pytest.approx([v for _, v in b["val_losses"]], rel=1e-5)
+    assert a["losses"] == pytest.approx(b["losses"][:4], rel=1e-5)
+    assert [v for _, v in a["val_losses"]] == pytest.approx([v for _, v in b["val_losses"][:2]], rel=1e-5)
+    after = json.loads((tmp_path / "resumed.json").read_text())
+    assert after["start_step"] == 4 and after["losses"] == pytest.approx(b["losses"][4:], rel=1e-5)
     assert len([line for line in two.stdout.splitlines() if line.startswith("step 4/4")]) == 1
 
 
