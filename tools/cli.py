@@ -180,8 +180,7 @@ def _bench_disk(args: argparse.Namespace) -> int:
     from outcore.tools.bench_disk import bench_disk
     from outcore.tools.report import progress, table, write_json
 
-    _writable(args.dir, "--dir", folder=True)
-    if args.json:
+    if args.json:  # (bench_disk checks --dir itself)
         _writable(args.json, "--json", folder=False)
     settings = len(args.block_size) * len(args.queue_depth) * len(args.threads) * len(args.backend)
     with progress(args.repeats * settings, "bench-disk") as bar:
