@@ -86,7 +86,7 @@ class MemoryPlan:
     nvme: TierBytes
     device_min: int  # the smallest device budget the engine can run with
     host_min: int  # the smallest host budget
-    host_needs: tuple[tuple[str, int], ...] = ()  # what host_min holds: (what, bytes)
+    host_needs: tuple[tuple[str, int], ...] = ()  # what host_min holds, (what, bytes): their sum
     optimizer_states: int = 0  # every chunk's fp32 optimizer state, wherever it rests
     optimizer_on_nvme: bool = False
     unit_states: tuple[int, ...] = ()  # each unit's optimizer-state bytes, by unit index (0: frozen)
@@ -233,13 +233,12 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     else:  # the prefetch window of whole units' shards
         dev_min = 2 * (largest_unit + PAGE)
         dev["runtime"] += max((near + 1) * (largest_unit + PAGE), dev_min)
-    host_min = param_all if params_on == "cpu" else 0
+    # What the smallest host budget must hold, (what, bytes); host_min is their sum.
     host_needs = [("the parameters, which rest there", param_all)] if params_on == "cpu" else []
     if params_on == "nvme":
         # Updated shards stay in memory and reach NVMe only when evicted (on a CPU, one evicted from
         # DEVICE goes to HOST first while HOST has room): with room, HOST caches them all.
         host["runtime"] += param_all
-        host_min += largest_unit + PAGE
         host_needs.append(("the largest unit's parameters read from NVMe", largest_unit + PAGE))
     work = dev if work_on_device else host
     work["gathered" if handed_over else "runtime"] += grad_all * (HANDED_OVER if handed_over else 1)
@@ -261,10 +260,8 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         chunk_states = _pages(chunk * state_elem) + PAGE
         ample = max(depth, min(-(-READ_AHEAD_BYTES // chunk_states), n_chunks))
         host["runtime"] += (ample + 1) * chunk_states
-        host_min += (depth + 1) * chunk_states
         host_needs.append((f"{depth + 1} optimizer chunks on their way to and from NVMe", (depth + 1) * chunk_states))
     else:
-        host_min += state_all
         host_needs.append(("the optimizer states, which rest there", state_all))
     if not aliased and not borrowing:  # stages 1-2 keep every unit whole
         dev["gathered"] = sum(full) if resident else held
@@ -274,7 +271,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     others = [i for i, root in enumerate(roots) if not root]
     outer = [i for i in others if units[i].outer]
     entry = tuple(i for i, root in enumerate(roots) if root) + tuple(outer or others[:1])
-    return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min, host_min=host_min,
-                      host_needs=tuple(host_needs),
+    return MemoryPlan(TierBytes(**dev), TierBytes(**host), TierBytes(**nvme), device_min=dev_min,
+                      host_min=sum(n for _, n in host_needs), host_needs=tuple(host_needs),
                       optimizer_states=state_all, optimizer_on_nvme=opt_on == "nvme", unit_states=unit_states,
                       entry=entry, read_ahead_least=depth, read_ahead_ample=ample)

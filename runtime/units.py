@@ -113,14 +113,15 @@ def _check_dtypes(model: nn.Module) -> None:
     """Units are flat floating-point buffers in the compute dtype, with fp32 masters: an integer or
     complex parameter cannot be one (it would be cast, and fail far from here), and a float64 one
     trains at fp32's precision, which is said once."""
-    odd = [(n, p.dtype) for n, p in model.named_parameters() if not p.is_floating_point()]
+    params = list(model.named_parameters())
+    odd = [(n, p.dtype) for n, p in params if not p.is_floating_point()]
     if odd:
         name, dtype = odd[0]
         raise ValueError(f"parameter {name!r} is {dtype}{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}: "
                          "outcore lays parameters out as floating-point units, so it cannot hold it. An index, "
                          "mask or quantized table is state rather than a weight: register it with "
                          "register_buffer instead.")
-    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    wide = [n for n, p in params if p.dtype == torch.float64]
     if wide:
         log.warning("%d float64 parameter(s) (%s%s) are trained in Config.dtype with fp32 master weights, "
                     "not in float64", len(wide), ", ".join(wide[:3]), ", ..." if len(wide) > 3 else "")
