@@ -14,6 +14,7 @@ engine, and reads with safetensors (no unpickling). A checkpoint written by N ra
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -66,6 +67,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     disk, say) removes what it wrote and leaves the previous checkpoints as they were."""
     if not is_tag(tag) or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
+    _refuse_a_file_in_the_way(directory)
     sm.settle()
     final = os.path.join(directory, tag)
     tmp = os.path.join(directory, f".{tag}.tmp")
@@ -92,12 +94,23 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
         else:
             _unlink(path)
         if isinstance(e, OSError):
+            todo = "free space there, or" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "mend that, or"
             raise StorageError(f"checkpoint {final!r}: writing {e.filename or path!r} failed: {e.strerror}. The "
-                               "partial save was removed and the earlier checkpoints are as they were; free space "
-                               "there, or save to another directory.") from e
+                               f"partial save was removed and the earlier checkpoints are as they were; {todo} "
+                               "save to another directory.") from e
         raise
     barrier(sm.group)
     return final
+
+
+def _refuse_a_file_in_the_way(directory: str) -> None:
+    """A file where the checkpoint directory, or a folder above it, should be: one clear error before
+    any rank writes (otherwise the save fails on its first mkdir with a bare "File exists")."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint directory {directory!r}: {path!r} is a file; name a directory.")
 
 
 def _write_rank_file(sm: ShardedModel, path: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from outcore.offload.io_config import IOConfig
 from outcore.offload.typed_fields import check_fields
 from outcore.runtime.deepspeed_config import translate_deepspeed
+from outcore.runtime.optimizer import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
@@ -77,8 +78,10 @@ class Config:
             raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be >= 0.")
         if self.grad_accumulation < 1:
             raise ValueError(f"grad_accumulation={self.grad_accumulation}: must be >= 1.")
+        if self.grad_clip == 0:  # as DeepSpeed's gradient_clipping and transformers' max_grad_norm read it
+            self.grad_clip = None
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise ValueError(f"grad_clip={self.grad_clip}: must be a finite number > 0, or None for no clipping.")
+            raise ValueError(f"grad_clip={self.grad_clip}: must be a finite number > 0, or 0 or None for no clipping.")
         for key in ("device_budget", "host_budget"):
             v = getattr(self, key)
             if v is not None and v <= 0:
@@ -161,22 +164,13 @@ class Config:
 
 
 def _check_optimizer(hp: dict[str, Any]) -> None:
-    """The AdamW keywords: known names, finite numbers in their ranges (lr 0 is a frozen run)."""
+    """The AdamW keywords: known names, finite numbers in torch.optim.AdamW's ranges."""
     unknown = set(hp) - {"lr", "betas", "eps", "weight_decay"}
     if unknown:
         raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; AdamW takes lr, betas, eps, weight_decay.")
-
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    for key, lowest, what in (("lr", 0.0, ">= 0"), ("eps", 0.0, "> 0"), ("weight_decay", 0.0, ">= 0")):
-        if key in hp and not (number(hp[key]) and (hp[key] > lowest or (what == ">= 0" and hp[key] == 0))):
-            raise ValueError(f"optimizer.{key}={hp[key]!r}: must be a finite number {what}.")
-    betas = hp.get("betas", (0.9, 0.999))
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
-        raise ValueError(f"optimizer.betas={betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.95].")
+    check_hyperparameters(hp, "optimizer")
     if "betas" in hp:
-        hp["betas"] = tuple(float(b) for b in betas)
+        hp["betas"] = tuple(float(b) for b in hp["betas"])
 
 
 def _build(cls, data: dict[str, Any], what: str):

@@ -44,7 +44,7 @@ from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft
 from outcore.runtime.hooks import refuse_a_second_backward, register_grad_hook, register_unit_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
-from outcore.runtime.optimizer import AdamW
+from outcore.runtime.optimizer import AdamW, check_lr
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
@@ -95,7 +95,7 @@ class Engine:
         self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
         self.hp = optimizer or AdamW(**config.optimizer)
-        self.lr = self.hp.lr
+        self._lr = self.hp.lr
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
         self.device_ahead = self.policy.device_window  # units of the prefetch window asked onto DEVICE
@@ -152,6 +152,15 @@ class Engine:
         return self.model
 
     # -- the training loop's API ------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next `step()`; settable between steps (a schedule)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = check_lr(value, "engine.lr")
 
     @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,6 +317,12 @@ class Engine:
     def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it. `tag`:
         the folder's name (None: `global_step<N>`, as DeepSpeed names it). Returns the folder."""
+        if self.gradients.micro:
+            spent = self.policy.overlapped and self.gradients.window_complete
+            raise RuntimeError(f"save_checkpoint after {self.gradients.micro} backward pass(es) and before their "
+                               "step(): a checkpoint holds no gradients, so a run resumed from it would lose them"
+                               + (" (and their updates already ran)" if spent else "")
+                               + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),

@@ -12,8 +12,12 @@ all of the unit's chunks are updated (runtime/update_stream.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,12 +37,33 @@ class AdamW:
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ValueError(f"AdamW: lr, eps and weight_decay must be >= 0 (got {self.lr}, {self.eps}, "
-                             f"{self.weight_decay}).")
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"AdamW: betas must lie in [0, 1) (got {self.betas}).")
+        check_hyperparameters(dataclasses.asdict(self), "AdamW")
+        self.lr, self.eps, self.weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_lr(value: Any, where: str) -> float:
+    """`value` as a learning rate (a finite number >= 0; 0 is a frozen step), or a ValueError naming `where`."""
+    if not (_finite(value) and value >= 0):
+        raise ValueError(f"{where}={value!r}: a learning rate must be a finite number >= 0.")
+    return float(value)
+
+
+def check_hyperparameters(hp: Mapping[str, Any], where: str) -> None:
+    """AdamW's numbers in the ranges torch.optim.AdamW accepts, and finite; otherwise one ValueError
+    naming `where.key`. Keys absent from `hp` take their defaults and are not checked."""
+    if "lr" in hp:
+        check_lr(hp["lr"], f"{where}.lr")
+    for key in ("eps", "weight_decay"):
+        if key in hp and not (_finite(hp[key]) and hp[key] >= 0):
+            raise ValueError(f"{where}.{key}={hp[key]!r}: must be a finite number >= 0.")
+    betas = hp.get("betas", (0.9, 0.999))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"{where}.betas={betas!r}: must be two numbers in [0, 1), e.g. (0.9, 0.95).")
 
 
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:

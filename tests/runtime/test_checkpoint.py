@@ -140,3 +140,39 @@ def test_a_checkpoint_saved_without_a_tag_is_named_by_its_step(tmp_path):
     for k, v in other.full_state_dict().items():
         assert torch.equal(v, weights[k]), k
     other.close()
+
+
+def test_a_learning_rate_that_cannot_train_is_refused_and_the_old_one_kept(tmp_path):
+    engine = make(tmp_path, "lr", "none", "none")
+    for bad in (float("nan"), float("inf"), -1e-3, "1e-3", None):
+        with pytest.raises(ValueError, match="engine.lr=.*finite number >= 0"):
+            engine.lr = bad
+    assert engine.lr == HP["lr"]
+    engine.lr = 0  # a frozen step is allowed
+    assert engine.lr == 0.0 and isinstance(engine.lr, float)
+    engine.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])  # without clipping the updates ran during backward
+def test_saving_between_backward_and_step_is_refused_and_writes_nothing(tmp_path, clip):
+    engine = make(tmp_path, "mid", grad_clip=clip)
+    data = batches(2)
+    engine.backward(engine(*data[0]))
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="before their step\\(\\).*Call engine.step\\(\\) first"):
+        engine.save_checkpoint(str(ckpt), tag="mid")
+    assert not ckpt.exists()
+    engine.step()
+    assert engine.save_checkpoint(str(ckpt), tag="after") == str(ckpt / "after")
+    engine.close()
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_one_clear_error_and_stays(tmp_path):
+    engine = make(tmp_path, "file", "none", "none")
+    in_the_way = tmp_path / "ckpt"
+    in_the_way.write_text("my notes")
+    for directory in (in_the_way, in_the_way / "deeper"):
+        with pytest.raises(ValueError, match="'.*ckpt' is a file; name a directory"):
+            engine.save_checkpoint(str(directory), tag="step1")
+    assert in_the_way.read_text() == "my notes"
+    engine.close()

@@ -24,10 +24,26 @@ def test_defaults_validate_and_io_dicts_become_ioconfig():
     ({"io": {"block_size": 1000}}, "multiple of 4096"),
     ({"io": {"blocksize": 4096}}, "io: unknown key"),
     ({"optimizer": {"momentum": 0.9}}, "momentum"),
+    ({"optimizer": {"lr": float("nan")}}, "optimizer.lr=nan"),
+    ({"optimizer": {"eps": float("inf")}}, "optimizer.eps=inf"),
 ])
 def test_mistakes_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+@pytest.mark.parametrize("hp, message", [
+    ({"lr": float("nan")}, "AdamW.lr=nan"), ({"lr": "3e-4"}, "AdamW.lr='3e-4'"),
+    ({"weight_decay": float("-inf")}, "AdamW.weight_decay=-inf"), ({"betas": (0.9, float("nan"))}, "AdamW.betas"),
+])
+def test_adamw_refuses_numbers_torch_would_not_train_with(hp, message):
+    with pytest.raises(ValueError, match=message):
+        outcore.AdamW(**hp)
+
+
+def test_grad_clip_zero_means_no_clipping_as_in_deepspeed_and_transformers():
+    assert Config(grad_clip=0).grad_clip is None
+    assert Config(grad_clip=0.0).to_dict()["grad_clip"] is None
 
 
 @pytest.mark.parametrize("ext, text", [
