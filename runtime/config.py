@@ -17,7 +17,7 @@ from typing import Any
 from outcore.offload.io_config import IOConfig
 from outcore.offload.typed_fields import check_fields
 from outcore.runtime.deepspeed_config import translate_deepspeed
-from outcore.runtime.optimizer import check_hyperparameters
+from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least

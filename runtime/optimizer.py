@@ -13,17 +13,15 @@ all of the unit's chunks are updated (runtime/update_stream.py).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from outcore.offload import Tier, TieredStore
 from outcore.offload.store import StagedPut
 from outcore.runtime.flat_unit import Chunk
+from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import Placement
 
 
@@ -40,30 +38,6 @@ class AdamW:
         check_hyperparameters(dataclasses.asdict(self), "AdamW")
         self.lr, self.eps, self.weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
         self.betas = (float(self.betas[0]), float(self.betas[1]))
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_lr(value: Any, where: str) -> float:
-    """`value` as a learning rate (a finite number >= 0; 0 is a frozen step), or a ValueError naming `where`."""
-    if not (_finite(value) and value >= 0):
-        raise ValueError(f"{where}={value!r}: a learning rate must be a finite number >= 0.")
-    return float(value)
-
-
-def check_hyperparameters(hp: Mapping[str, Any], where: str) -> None:
-    """AdamW's numbers in the ranges torch.optim.AdamW accepts, and finite; otherwise one ValueError
-    naming `where.key`. Keys absent from `hp` take their defaults and are not checked."""
-    if "lr" in hp:
-        check_lr(hp["lr"], f"{where}.lr")
-    for key in ("eps", "weight_decay"):
-        if key in hp and not (_finite(hp[key]) and hp[key] >= 0):
-            raise ValueError(f"{where}.{key}={hp[key]!r}: must be a finite number >= 0.")
-    betas = hp.get("betas", (0.9, 0.999))
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)):
-        raise ValueError(f"{where}.betas={betas!r}: must be two numbers in [0, 1), e.g. (0.9, 0.95).")
 
 
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
