@@ -8,6 +8,8 @@
   its module's inputs does (runtime/units.py [Note: frozen units]).
 The root unit (everything outside the repeated blocks) is gathered in the root's forward pre-hook
 and released only when its own gradient is complete, or, without grad, when its forward returns.
+A child of the root that holds root parameters and is called on its own (`generate()` of an
+encoder-decoder runs `model.get_encoder()` first) gathers the root unit the same way.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.flat_unit import FlatUnit, UnitState
 
 
 class UnitHookTarget(Protocol):
@@ -86,6 +89,30 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
         handles.append(module.register_forward_hook(root_without_grad))
     if unit.frozen and not is_root:
         handles.append(module.register_forward_pre_hook(after_inputs_grads, with_kwargs=True))
+    return handles
+
+
+def register_root_entry_hooks(engine: UnitHookTarget, root: FlatUnit, entries: list[nn.Module]) -> list[Any]:
+    """Hooks on the root's children that hold root parameters (`entries`): called inside the root's
+    forward they do nothing; called on their own they gather the root unit, and without grad let it
+    go when they return."""
+    entered: list[nn.Module] = []  # the entry called on its own that gathered the root unit
+
+    def pre_forward(module, _args):
+        if not entered and root.state is UnitState.SHARDED:
+            entered.append(module)
+            engine.unit_forward_start(root)
+
+    def post_forward(module, _args, _output):
+        if entered and entered[0] is module:
+            entered.clear()
+            if not torch.is_grad_enabled():
+                engine.unit_backward_end(root)
+
+    handles = []
+    for module in entries:
+        handles += [module.register_forward_pre_hook(pre_forward),
+                    module.register_forward_hook(post_forward, always_call=True)]
     return handles
 
 

@@ -17,11 +17,17 @@ head in the root, or a block's weight reused elsewhere) belongs to their common 
 which is the root unit, and is flattened (and updated) once. So does a module registered in two
 blocks, or in a block and outside it: what counts is where each registration runs. Every place it
 appears — (module, attribute name) — is recorded, so the gathered view is set at each of them.
+
+[Note: block lists] Without `unit_classes`, the blocks are the children of every outermost
+ModuleList/Sequential of repeated blocks (`_is_block_list`): a decoder's layers; both stacks of an
+encoder-decoder; the layers, not the experts inside each, of a mixture of experts; the model
+itself when it is a Sequential of blocks. A list inside a block is part of that block.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -62,21 +68,29 @@ class UnitPlan:
         return sum(s.numel for s in self.slots)
 
 
-def _deepest_block_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Children of the deepest ModuleList/Sequential whose children hold parameters."""
-    best: tuple[int, str, nn.Module] | None = None
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2 or m is model:
+def _is_block_list(m: nn.Module) -> bool:
+    """A ModuleList/Sequential of repeated blocks: every child holds parameters, and at least half
+    of them (two or more) are of one class. A block's own list of different parts (T5's attention
+    and feed-forward layers) or a model written as `Sequential(embedding, stack, head)` is not one."""
+    if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        return False
+    children = list(m.children())
+    if len(children) < 2 or not all(any(True for _ in c.parameters()) for c in children):
+        return False
+    repeats = Counter(type(c) for c in children).most_common(1)[0][1]
+    return repeats >= 2 and 2 * repeats >= len(children)
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of every outermost list of blocks ([Note: block lists])."""
+    lists: list[str] = []
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():  # a module comes before the modules inside it
+        if any(name.startswith(outer + ".") for outer in lists) or not _is_block_list(m):
             continue
-        if not all(any(True for _ in c.parameters()) for c in m):
-            continue
-        depth = name.count(".") + 1
-        if best is None or depth > best[0]:
-            best = (depth, name, m)
-    if best is None:
-        return []
-    _, name, container = best
-    return [(f"{name}.{i}", child) for i, child in enumerate(container.children())]
+        lists.append(name)
+        blocks.extend((f"{name}.{child}" if name else child, c) for child, c in m.named_children())
+    return blocks
 
 
 def _outer_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -142,7 +156,10 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
             raise ValueError(f"unit_classes={list(unit_classes)} matches no module of {type(model).__name__}; "
                              "name classes that exist in the model, or leave it empty to use the repeated blocks.")
     else:
-        blocks = _deepest_block_list(model)
+        blocks = _block_lists(model)
+        if not blocks:
+            log.warning("%s has no list of repeated blocks: it is one unit, gathered whole for every step. Name "
+                        "its block classes in Config.unit_classes to page it in parts.", type(model).__name__)
         outer = _outer_units(model, blocks)
         outer_names = {name for name, _ in outer}
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -185,6 +202,15 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
     for i, u in enumerate(planned):
         u.index = i
     return planned
+
+
+def root_entries(model: nn.Module, root: UnitPlan, plans: list[UnitPlan]) -> list[nn.Module]:
+    """The root's children that hold parameters of the root unit `root` and are no unit themselves:
+    the modules through which the root unit is used without the root's own forward."""
+    places = {id(m) for s in root.slots for m, _ in s.places}
+    unit_modules = {id(p.module) for p in plans}
+    return [child for _, child in model.named_children()
+            if id(child) not in unit_modules and any(id(m) in places for m in child.modules())]
 
 
 def _split_frozen(unit: UnitPlan) -> list[UnitPlan]:

@@ -239,15 +239,19 @@ def _own_checkpointing(model: nn.Module) -> list[tuple[Any, str, Any]]:
     cache (a recomputed layer would append to it twice, as HF's own checkpointing also knows);
     returns what to restore."""
     restore: list[tuple[Any, str, Any]] = []
+    configs: dict[int, Any] = {}  # an encoder-decoder's stacks carry configs of their own
     for m in model.modules():
         for name in ("gradient_checkpointing", "checkpoint_activations", "checkpointing"):
             if getattr(m, name, None) is True:
                 restore.append((m, name, True))
                 setattr(m, name, False)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        restore.append((config, "use_cache", True))
-        config.use_cache = False  # type: ignore[union-attr]
+        config = getattr(m, "config", None)
+        if config is not None:
+            configs[id(config)] = config
+    for config in configs.values():
+        if getattr(config, "use_cache", False) is True:
+            restore.append((config, "use_cache", True))
+            config.use_cache = False
     return restore
 
 

@@ -44,8 +44,15 @@ class HFModel:
         """The model, parameters on the meta device, with LoRA adapters when asked for."""
         from transformers import AutoModelForCausalLM
 
+        config = self.config()
         with deferred_init():
-            model = AutoModelForCausalLM.from_config(self.config())
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError as e:  # transformers lists every causal-LM config class, over many lines
+                raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model "
+                                 f"({type(config).__name__}), which transformers builds no causal language model "
+                                 "from; the command line fine-tunes causal LMs. Other models train through "
+                                 "outcore.Engine in Python.") from e
         if self.lora_rank is None:
             return model
         import peft

@@ -58,6 +58,14 @@ def _no_room(tmp_path, monkeypatch):
     return [*QUICK, *NVME]
 
 
+def _seq2seq_model(tmp_path):
+    import transformers
+
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
+    return [*QUICK, "--model", "t5"]
+
+
 def _config(tmp_path, values):
     (tmp_path / "run.json").write_text(json.dumps(values))
     return [*QUICK, "--config", "run.json"]
@@ -74,6 +82,7 @@ CASES = [  # (id, argv or a function making it, exit status, words the one line 
     ("--resume without a checkpoint", [*QUICK, "--resume"], 2, "no checkpoint in"),
     ("--tag without --resume", [*QUICK, "--tag", "step2"], 2, "give --resume too"),
     ("--resume --tag missing", _missing_tag, 2, "nope' does not exist; the tags there are ['step2']"),
+    ("--model not a causal LM", _seq2seq_model, 2, "'t5' model (T5Config), which transformers builds no causal"),
     ("config of the wrong kind", lambda p: _config(p, {"stage": True}), 2, "stage=True: must be a whole number"),
     ("config key unknown", lambda p: _config(p, {"prefetch": 2}), 2, "unknown key(s) ['prefetch']"),
     ("config value out of range", lambda p: _config(p, {"grad_clip": -1}), 2, "grad_clip=-1.0"),

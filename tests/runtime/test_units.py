@@ -1,5 +1,7 @@
 """The unit planner: which modules move together and which unit owns each parameter (no engine)."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from models import TinyGPT
@@ -104,3 +106,58 @@ def test_an_integer_parameter_is_refused_and_a_float64_one_is_said(caplog):
         plan_units(model)
     assert [r.getMessage() for r in caplog.records] == [
         "1 float64 parameter(s) (blocks.0.gain) are trained in Config.dtype with fp32 master weights, not in float64"]
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+class MoeLayer(nn.Module):  # a mixture of experts: a list of experts inside every layer
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.block = nn.ModuleList(MoeLayer() for _ in range(layers))
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(32, 8)
+        self.encoder, self.decoder = Stack(3), Stack(2)
+
+
+def test_the_blocks_are_the_outermost_lists_of_repeated_blocks_in_every_stack():
+    """Both stacks of an encoder-decoder, and the layers rather than the experts inside each: the
+    deepest list alone (layer 0's experts) left the decoder one unit of half the model."""
+    plans = plan_units(EncoderDecoder())
+    assert names(plans) == [f"encoder.block.{i}" for i in range(3)] + [f"decoder.block.{i}" for i in range(2)] + [""]
+    assert {n for s in plans[-1].slots for n in s.state_dict_names} == {"shared.weight"}
+
+
+def test_a_sequential_model_of_blocks_is_split_by_its_children_under_their_own_names():
+    blocks = [(f"layer{i}", nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))) for i in range(3)]
+    model = nn.Sequential(OrderedDict([("embed", nn.Embedding(16, 8)), *blocks, ("head", nn.Linear(8, 16))]))
+    assert names(plan_units(model)) == ["embed", "layer0", "layer1", "layer2", "head"]  # nothing left for a root
+    stack = nn.Sequential(nn.Embedding(16, 8), nn.Sequential(*(b for _, b in blocks)), nn.Linear(8, 16))
+    assert names(plan_units(stack)) == ["1.0", "1.1", "1.2", "2", ""]  # not a list of blocks: its inner one is
+
+
+def test_a_model_without_a_list_of_blocks_is_said_once_to_be_one_unit(caplog):
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    with caplog.at_level("WARNING", logger="outcore.runtime.units"):
+        assert names(plan_units(Flat())) == [""]
+    assert [r.message for r in caplog.records if "no list of repeated blocks" in r.message] == [
+        "Flat has no list of repeated blocks: it is one unit, gathered whole for every step. Name its block "
+        "classes in Config.unit_classes to page it in parts."]
