@@ -63,7 +63,8 @@ def _seq2seq_model(tmp_path):
 
     cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
-    return [*QUICK, "--model", "t5"]
+    (tmp_path / "text.txt").write_text("some text to fine-tune on. " * 40)
+    return [*QUICK, "--model", "t5", "--data", "text.txt"]
 
 
 def _config(tmp_path, values):
