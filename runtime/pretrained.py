@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from outcore.runtime.hf_conversion import MergedTensor, assemble, convert_names
 from outcore.runtime.safetensors_stream import ST_DTYPES
 from outcore.runtime.units import ParamSlot
 
@@ -104,7 +105,7 @@ class PretrainedWeights:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.tensors: dict[str, StoredTensor] = {}
+        self.tensors: dict[str, StoredTensor | MergedTensor] = {}
         for file in weight_files(path):
             for key, stored in _read_header(file).items():
                 name = model_name(key)
@@ -113,12 +114,22 @@ class PretrainedWeights:
                 self.tensors[name] = stored
         self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
+        self._model: nn.Module | None = None  # set by check(): merged tensors are built for it
 
     def check(self, slots: Iterable[ParamSlot], model: nn.Module,
               new: Callable[[ParamSlot], bool] = lambda _slot: False) -> None:
         """Every parameter without values has a tensor of its shape in the files (unless `new` says
         it is the model's own addition, initialized instead: a LoRA adapter), and the files hold
-        nothing the model does not; otherwise one ValueError naming the first tensor at fault."""
+        nothing the model does not; otherwise one ValueError naming the first tensor at fault.
+        Stored names are first converted as transformers converts them ([Note: converted checkpoints])."""
+        slots = list(slots)
+        wanted = {model_name(n) for s in slots for n in s.state_dict_names}
+        wanted.update(model_name(n) for n, _ in model.named_buffers())
+        self.tensors, converted = convert_names(model, self.tensors, wanted)
+        if converted:
+            log.info("weights: %d stored tensor(s) of %s renamed or merged as transformers loads them",
+                     converted, self.path)
+        self._model = model
         known: set[str] = set()
         for slot in slots:
             names = [model_name(n) for n in slot.state_dict_names]
@@ -150,7 +161,7 @@ class PretrainedWeights:
             return model_name(f"{prefix}.{name}" if prefix else name) in self.tensors
         return holds
 
-    def find(self, slot: ParamSlot) -> StoredTensor | None:
+    def find(self, slot: ParamSlot) -> StoredTensor | MergedTensor | None:
         """The stored tensor of a parameter, under whichever of its (tied) names it was saved."""
         for name in slot.state_dict_names:
             stored = self.tensors.get(model_name(name))
@@ -158,9 +169,12 @@ class PretrainedWeights:
                 return stored
         return None
 
-    def read(self, stored: StoredTensor, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, stored: StoredTensor | MergedTensor, dtype: torch.dtype) -> torch.Tensor:
         """The tensor, read into fresh memory (not mapped: a mapped file's pages would count in RSS
         until it is closed), in its stored dtype; a conversion to `dtype` is said once per pair."""
+        if isinstance(stored, MergedTensor):
+            assert self._model is not None  # check() came first
+            return assemble(stored, lambda part: self.read(part, dtype), self._model)
         fd = self._open.get(stored.file)
         if fd is None:
             fd = self._open[stored.file] = os.open(stored.file, os.O_RDONLY)
@@ -183,7 +197,8 @@ class PretrainedWeights:
             os.close(fd)
         self._open.clear()
 
-    def _check_fits(self, stored: StoredTensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+    def _check_fits(self, stored: StoredTensor | MergedTensor, shape: tuple[int, ...], dtype: torch.dtype,
+                    name: str) -> None:
         if stored.shape != shape:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} has shape {list(stored.shape)}, the "
                              f"model's {name!r} has {list(shape)}: these weights are for another model or config.")

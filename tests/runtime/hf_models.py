@@ -6,7 +6,7 @@ import os
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig, Qwen2Config
 
 import outcore
 
@@ -25,6 +25,14 @@ def config(kind: str) -> transformers.PretrainedConfig:
     if kind == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
                           eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: parity
+    # transformers converts these two on load (their save_pretrained writes the stored form back):
+    # GPT-NeoX's head is stored as `embed_out`, Mixtral's experts one by one, not stacked per layer
+    if kind == "gpt_neox":
+        return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
+                             attention_dropout=0.0)
+    if kind == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(kind)
 
 

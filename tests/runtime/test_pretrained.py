@@ -8,13 +8,14 @@ import warnings
 import pytest
 import torch
 from hf_models import config, deferred, files, save_model, token_batches
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import outcore
 from outcore.runtime.hf_model import hf_checkpointing
 
-KINDS = ["llama-tied", "llama", "qwen2", "gpt2"]
+KINDS = ["llama-tied", "llama", "qwen2", "gpt2", "gpt_neox", "mixtral"]
 HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -89,6 +90,24 @@ def test_six_fine_tuning_steps_on_nvme_equal_plain_adamw_and_the_export_loads_ba
     x = token_batches(1, seed=9)[0]
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, ref(x).logits, rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+@pytest.mark.parametrize("kind, stored, model", [
+    ("gpt_neox", "embed_out.weight", "lm_head.weight"),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.mlp.experts.gate_up_proj"),
+])
+def test_stored_names_are_converted_as_transformers_loads_them(tmp_path, caplog, kind, stored, model):
+    """save_pretrained writes these in their stored form (the tests above load them through it); a
+    merged tensor is built from its parts: the experts' w1 and w3, stacked and joined per layer."""
+    directory = save_model(kind, str(tmp_path / kind))
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        assert stored in f.keys() and model not in f.keys()
+    ref = AutoModelForCausalLM.from_pretrained(directory)
+    with caplog.at_level("INFO", logger="outcore.runtime.pretrained"):
+        engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    assert [r.message for r in caplog.records if "renamed or merged" in r.message]
+    torch.testing.assert_close(engine.full_state_dict()[model], ref.state_dict()[model], rtol=0, atol=0)
     engine.close()
 
 
