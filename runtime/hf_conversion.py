@@ -16,15 +16,28 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from outcore.runtime.pretrained import StoredTensor
+
+class StoredPart(Protocol):
+    """What is known of a stored tensor before it is read (runtime/pretrained.py's StoredTensor)."""
+
+    @property
+    def file(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> torch.dtype | None: ...
+
+
+Stored = TypeVar("Stored", bound=StoredPart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +48,7 @@ class MergedTensor:
     key: str  # the model's name for it
     shape: tuple[int, ...]
     dtype: torch.dtype | None
-    parts: tuple[tuple[str, StoredTensor], ...]  # (the converter's source pattern, the stored part), in stacking order
+    parts: tuple[tuple[str, StoredPart], ...]  # (the converter's source pattern, the stored part), in stacking order
     converter: Any  # the transformers WeightConverter that builds it
     group: str  # the name transformers files the conversion under (its first output's)
 
@@ -55,8 +68,8 @@ def _unwrapped(model: nn.Module) -> Any:
     return unwrap() if callable(unwrap) else model
 
 
-def convert_names(model: nn.Module, stored: dict[str, StoredTensor | MergedTensor],
-                  wanted: set[str]) -> tuple[dict[str, StoredTensor | MergedTensor], int]:
+def convert_names(model: nn.Module, stored: dict[str, Stored | MergedTensor],
+                  wanted: set[str]) -> tuple[dict[str, Stored | MergedTensor], int]:
     """`stored` (by name) under the model's names where transformers would convert them; names the
     model has, and names no conversion maps to one it has, stay as they are (the caller reports
     those). Returns the tensors and how many stored names were converted."""
@@ -73,8 +86,8 @@ def convert_names(model: nn.Module, stored: dict[str, StoredTensor | MergedTenso
     converters = [t for t in mapping if isinstance(t, loading.WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     present = dict.fromkeys(wanted, True)  # what transformers' prefix rule looks names up in
-    out: dict[str, StoredTensor | MergedTensor] = {}
-    groups: dict[str, tuple[Any, list[tuple[str, StoredTensor]]]] = {}
+    out: dict[str, Stored | MergedTensor] = {}
+    groups: dict[str, tuple[Any, list[tuple[str, Stored]]]] = {}
     converted = 0
     for name in sorted(stored, key=loading.dot_natural_key):  # experts.10 after experts.9, as transformers stacks
         target, pattern = (name, None) if name in wanted else loading.rename_source_key(
@@ -97,10 +110,10 @@ def convert_names(model: nn.Module, stored: dict[str, StoredTensor | MergedTenso
     return out, converted
 
 
-def _outputs(converter: Any, target: str, parts: list[tuple[str, StoredTensor]],
+def _outputs(converter: Any, target: str, parts: Sequence[tuple[str, StoredPart]],
              model: nn.Module) -> dict[str, tuple[int, ...]]:
     """The names and shapes a converter makes of `parts` (run on meta tensors: nothing is read)."""
-    def meta(part: StoredTensor) -> torch.Tensor:
+    def meta(part: StoredPart) -> torch.Tensor:
         return torch.empty(part.shape, dtype=part.dtype or torch.float32, device="meta")
 
     try:
@@ -111,14 +124,14 @@ def _outputs(converter: Any, target: str, parts: list[tuple[str, StoredTensor]],
     return {key: tuple(value.shape) for key, value in built.items()}
 
 
-def _run(converter: Any, target: str, parts: list[tuple[str, StoredTensor]],
-         read: Callable[[StoredTensor], torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+def _run(converter: Any, target: str, parts: Sequence[tuple[str, StoredPart]],
+         read: Callable[[StoredPart], torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
     fresh = copy.deepcopy(converter)  # a converter collects its inputs: one instance per merged tensor
     for pattern, part in parts:
         fresh.add_tensor(target, part.key, pattern, functools.partial(read, part))
     return fresh.convert(target, model=model, config=getattr(model, "config", None))
 
 
-def assemble(merged: MergedTensor, read: Callable[[StoredTensor], torch.Tensor], model: nn.Module) -> torch.Tensor:
+def assemble(merged: MergedTensor, read: Callable[[StoredPart], torch.Tensor], model: nn.Module) -> torch.Tensor:
     """The merged tensor, its parts read one by one with `read`."""
-    return _run(merged.converter, merged.group, list(merged.parts), read, _unwrapped(model))[merged.key]
+    return _run(merged.converter, merged.group, merged.parts, read, _unwrapped(model))[merged.key]

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -174,7 +175,7 @@ class PretrainedWeights:
         until it is closed), in its stored dtype; a conversion to `dtype` is said once per pair."""
         if isinstance(stored, MergedTensor):
             assert self._model is not None  # check() came first
-            return assemble(stored, lambda part: self.read(part, dtype), self._model)
+            return assemble(stored, lambda part: self.read(cast(StoredTensor, part), dtype), self._model)
         fd = self._open.get(stored.file)
         if fd is None:
             fd = self._open[stored.file] = os.open(stored.file, os.O_RDONLY)
