@@ -60,10 +60,12 @@ def open_private(path: str, flags: int) -> int:
 
 
 class DirectoryLock:
-    """This rank's hold on the directory (see the module docstring)."""
+    """This rank's hold on the directory (see the module docstring). `what` names the directory in
+    the error (the flag or key it came from); `prefix` keeps two locks of one run apart when one
+    folder is named for both (`outcore train --out D --nvme-dir D`)."""
 
-    def __init__(self, directory: str, rank: int) -> None:
-        self.path = os.path.join(directory, f"rank{rank}.lock")
+    def __init__(self, directory: str, rank: int, *, what: str = "nvme_dir", prefix: str = "") -> None:
+        self.path = os.path.join(directory, f"{prefix}rank{rank}.lock")
         self._fd: int | None = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -71,8 +73,8 @@ class DirectoryLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             self._fd = None
-            raise StorageError(f"nvme_dir {directory!r} is in use by another live run (pid {holder}, rank {rank}); "
-                               "give each run its own nvme_dir.") from None
+            raise StorageError(f"{what} {directory!r} is in use by another live run (pid {holder}, rank {rank}); "
+                               f"give each run its own {what}.") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 

@@ -8,10 +8,12 @@ directory under the working directory that is removed afterwards. Each choice is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -20,6 +22,7 @@ import torch
 from outcore import runtime
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
+from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.hf_model import hf_checkpointing
@@ -175,8 +178,25 @@ def _kept(ckpt_dir: str) -> str:
         return "no checkpoint was saved (--save-every N saves along the way)"
 
 
+@contextlib.contextmanager
+def _run_directory(out: str) -> Iterator[None]:
+    """`--out`, made if missing and held by this run: two live runs on one would write the same
+    checkpoints folder and its `latest` in turn (each rank holds its own lock file there)."""
+    os.makedirs(out, exist_ok=True)
+    lock = DirectoryLock(out, int(os.environ.get("RANK", "0")), what="--out", prefix="run.")
+    try:
+        yield
+    finally:
+        lock.release(remove=True)
+
+
 def train(opts: TrainOptions, *, report=print) -> dict:
     """Train; returns a summary (also what `--json` writes). `report` receives progress lines."""
+    with _run_directory(opts.out):
+        return _train(opts, report)
+
+
+def _train(opts: TrainOptions, report) -> dict:
     from outcore.tools.report import progress
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -29,6 +29,14 @@ def _hold_lock(tmp_path):
     return [*QUICK, *NVME]
 
 
+def _hold_out(tmp_path):
+    (tmp_path / "run").mkdir()
+    fd = os.open(tmp_path / "run" / "run.rank0.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a live run on the same --out holds it
+    os.write(fd, b"4343\n")
+    return [*QUICK, "--out", "run"]
+
+
 def _saved(tmp_path):
     assert main([*QUICK, "--out", "run"]) == 0
     return tmp_path / "run" / "checkpoints"
@@ -75,6 +83,7 @@ def _config(tmp_path, values):
 CASES = [  # (id, argv or a function making it, exit status, words the one line holds)
     ("symlink in nvme_dir", _plant_symlink, 1, "is a symbolic link"),
     ("a live run holds nvme_dir", _hold_lock, 1, "in use by another live run (pid 4242"),
+    ("a live run holds --out", _hold_out, 1, "run' is in use by another live run (pid 4343, rank 0)"),
     ("edited meta.json", _edit_meta, 1, "meta.json' is corrupt"),
     ("latest points elsewhere", _latest_elsewhere, 1, "not a bare tag name"),
     ("disk too small", _no_room, 1, "is full"),

@@ -41,6 +41,7 @@ def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(TrainOptions(steps=8, out="split", save_every=4, eval_every=5, **common), report=crash_at_step_5)
     assert open("split/checkpoints/latest").read().strip() == "step4"
+    assert not os.path.exists("split/run.rank0.lock")  # the dead run let go of --out: the resume may take it
     resumed = train(TrainOptions(steps=8, out="split", resume=True, eval_every=100, **common),
                     report=lambda _: None)
     assert resumed["start_step"] == 4
@@ -51,6 +52,15 @@ def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
     assert fewer["losses"] == [] and "trained 0 steps (the checkpoint is at step 8, and --steps is 6)" in said[-1]
     assert resumed["losses"] == whole["losses"][4:]  # bit for bit: same data, same states
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]  # scratch removed
+
+
+def test_one_folder_may_be_both_out_and_nvme_dir(tmp_path, monkeypatch):
+    """Each holds a lock of its own there (run.rank0.lock and rank0.lock), so the run does not meet itself."""
+    monkeypatch.chdir(tmp_path)
+    summary = train(TrainOptions(preset="tiny", steps=2, batch=1, seq=16, eval_batches=1, out="both", nvme_dir="both",
+                                 offload_params="nvme", offload_optimizer="nvme"), report=lambda _: None)
+    assert len(summary["losses"]) == 2 and os.path.isdir("both/checkpoints/step2")
+    assert not [f for f in os.listdir("both") if f.endswith(".lock")]
 
 
 def test_config_file_and_text_data(tmp_path, monkeypatch):
