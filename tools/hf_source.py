@@ -7,12 +7,18 @@ then reads its safetensors files itself (`Engine(weights=DIR)`).
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from outcore.runtime.materialize import deferred_init
+
+log = logging.getLogger(__name__)
+_PEFT_DEPRECATION = "`is_gradient_checkpointing` is deprecated"
 
 
 def is_hf_directory(spec: str) -> bool:
@@ -41,7 +47,39 @@ class HFModel:
             raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
 
     def build(self) -> nn.Module:
-        """The model, parameters on the meta device, with LoRA adapters when asked for."""
+        """The model, parameters on the meta device, with LoRA adapters when asked for: on every
+        linear module ("all-linear"), but not on bare parameters, which the engine cannot page."""
+        import peft
+
+        model = self._base()
+        if self.lora_rank is None:
+            return model
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            tuned = peft.get_peft_model(model, self._lora("all-linear"))
+        if any(type(m).__name__ == "ParamWrapper" for m in tuned.modules()):
+            # Under transformers 5, "all-linear" also wraps a mixture of experts' fused experts
+            # and router, which are parameters, not linear modules (runtime/units.py refuses them).
+            # What peft said of those is moot: the adapters are made again without them.
+            modules = sorted(tuned.peft_config["default"].target_modules)
+            log.warning("--lora: adapters on %s; the fused experts and router of %s are parameters, not linear "
+                        "modules, and get none", ", ".join(modules), self.directory)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                tuned = peft.get_peft_model(self._base(), self._lora(modules))
+        for w in said:
+            if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return tuned
+
+    def _lora(self, targets: str | list[str]) -> Any:
+        import peft
+
+        rank = self.lora_rank or 1
+        return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+                               task_type="CAUSAL_LM")
+
+    def _base(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         config = self.config()
@@ -53,13 +91,7 @@ class HFModel:
                                  f"({type(config).__name__}), which transformers builds no causal language model "
                                  "from; the command line fine-tunes causal LMs. Other models train through "
                                  "outcore.Engine in Python.") from e
-        if self.lora_rank is None:
-            return model
-        import peft
-
-        lora = peft.LoraConfig(r=self.lora_rank, lora_alpha=2 * self.lora_rank, target_modules="all-linear",
-                               lora_dropout=0.0, task_type="CAUSAL_LM")
-        return peft.get_peft_model(model, lora)
+        return model
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -111,6 +111,18 @@ def test_stored_names_are_converted_as_transformers_loads_them(tmp_path, caplog,
     engine.close()
 
 
+def test_lora_on_bare_parameters_is_refused_by_name_before_anything_is_written(tmp_path):
+    """peft's target_parameters (a mixture of experts' fused experts, which "all-linear" wraps under
+    transformers 5) swap the parameter at every forward: it failed inside torch's parametrize."""
+    peft = pytest.importorskip("peft")
+    directory = save_model("mixtral", str(tmp_path / "mixtral"))
+    model = peft.get_peft_model(deferred(directory), peft.LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.\w+ \(and \d+ more\) is a peft LoRA adapter on a "
+                                         r"bare parameter .*target_modules=\['q_proj'"):
+        outcore.Engine(model, nvme_config(tmp_path), weights=directory)
+    assert not (tmp_path / "nvme").exists() or not os.listdir(tmp_path / "nvme")
+
+
 def test_a_sharded_directory_with_an_index_loads_and_bf16_files_convert_once(tmp_path, caplog):
     directory = save_model("llama", str(tmp_path / "m"), max_shard_size="20KB")
     assert "model.safetensors.index.json" in files(directory)

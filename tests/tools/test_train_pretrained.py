@@ -65,6 +65,22 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     assert any(".lora_A." in k for k in load_file(str(tmp_path / "all.safetensors")))
 
 
+def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
+    """peft's "all-linear" also wraps Mixtral's fused experts and router, bare parameters the engine
+    refuses; the command line makes the adapters again on the linear modules, and says so once."""
+    directory = save_model("mixtral", str(tmp_path / "mixtral"))
+    save_tokenizer(directory)
+    with caplog.at_level("WARNING"):
+        assert main(train_args(tmp_path, directory, jsonl, "--lora", "4", "--steps", "3")) == 0
+    said = [r.message for r in caplog.records if r.message.startswith("--lora: adapters on")]
+    assert said == [f"--lora: adapters on k_proj, o_proj, q_proj, v_proj; the fused experts and router of "
+                    f"{directory} are parameters, not linear modules, and get none"]
+    adapters = json.loads((tmp_path / "summary.json").read_text())["exported"]
+    names = load_file(os.path.join(adapters, "adapter_model.safetensors"))
+    assert names and all(any(f".{m}." in k for m in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in names)
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), adapters)
+
+
 def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model_dir):
     text = tmp_path / "story.txt"
     text.write_text(STORY * 60)
