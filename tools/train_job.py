@@ -103,7 +103,9 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
 
     def inputs(ids, device):
         ids = ids.to(device)
-        return {"input_ids": ids, "labels": ids}
+        # Training keeps no key/value cache: asked for one, transformers turns it off under
+        # activation checkpointing with a warning.
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     def export(engine, out: str) -> str:
         path = os.path.join(out, "adapters" if lora else "model")
