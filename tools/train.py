@@ -181,13 +181,24 @@ def _kept(ckpt_dir: str) -> str:
 @contextlib.contextmanager
 def _run_directory(out: str) -> Iterator[None]:
     """`--out`, made if missing and held by this run: two live runs on one would write the same
-    checkpoints folder and its `latest` in turn (each rank holds its own lock file there)."""
+    checkpoints folder and its `latest` in turn (each rank holds its own lock file there). Folders
+    made here that the run leaves empty (it failed before writing) are removed again."""
+    made = []
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        made.append(path)
+        path = os.path.dirname(path)
     os.makedirs(out, exist_ok=True)
     lock = DirectoryLock(out, int(os.environ.get("RANK", "0")), what="--out", prefix="run.")
     try:
         yield
     finally:
         lock.release(remove=True)
+        for folder in made:  # innermost first
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: what the run wrote stays
+                break
 
 
 def train(opts: TrainOptions, *, report=print) -> dict:
