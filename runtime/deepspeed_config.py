@@ -1,12 +1,14 @@
 """A DeepSpeed ds_config translated into the fields of `outcore.Config`.
 
-Every key outcore reads is mapped to its own setting; every key it reads but does not use is
-warned about once, by name, so that nothing a user set is dropped without a word. A value of the
-wrong shape (`"aio": 5`, `"bf16": true`, stage 2.7) is one ValueError naming its key path.
+Every key outcore reads is mapped to its own setting. The keys it reads but does not use, and the
+values left "auto", are named in one warning each (a ds_config written for the Hugging Face Trainer
+has dozens), so that nothing a user set is dropped without a word. A value of the wrong shape
+(`"aio": 5`, `"bf16": true`, stage 2.7) is one ValueError naming its key path.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 from typing import Any
@@ -17,11 +19,31 @@ _ZERO_KEYS = {"stage", "sub_group_size", "offload_param", "offload_optimizer"}
 _AIO_KEYS = {"block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "threads",
              "thread_count": "threads"}
 _ADAMW_KEYS = ("lr", "eps", "weight_decay")
+# The key paths one translation ignored, and those it found "auto": said once at its end.
+_said: contextvars.ContextVar[tuple[list[str], list[str]]] = contextvars.ContextVar("said")
 
 
 def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(ds, dict):
         raise ValueError(f"a DeepSpeed config is a mapping of sections, not {type(ds).__name__}.")
+    ignored: list[str] = []
+    auto: list[str] = []
+    token = _said.set((ignored, auto))
+    try:
+        out = _translate(ds)
+    finally:
+        _said.reset(token)
+    if ignored:
+        log.warning("from_deepspeed: %d setting(s) outcore does not use were ignored: %s", len(ignored),
+                    ", ".join(ignored))
+    if auto:
+        log.warning('from_deepspeed: %s %s "auto", which the Hugging Face Trainer fills in from its own '
+                    "arguments; outcore took its own default%s (give values to choose)", ", ".join(auto),
+                    "is" if len(auto) == 1 else "are", "" if len(auto) == 1 else "s")
+    return out
+
+
+def _translate(ds: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     io: dict[str, Any] = {}
     for key, value in ds.items():
@@ -129,8 +151,7 @@ def _given(where: str, v: Any) -> bool:
     """Set to a value. "auto" is not one: the Hugging Face Trainer fills it in from its own
     arguments before DeepSpeed reads it; outcore has no such arguments, so it says so once."""
     if v == "auto":
-        log.warning('from_deepspeed: %s is "auto", which the Hugging Face Trainer fills in from its own arguments; '
-                    "outcore took its own default for it (give a value to choose)", where)
+        _said.get()[1].append(where)
         return False
     return v is not None
 
@@ -141,4 +162,4 @@ def _ignore_rest(where: str, section: dict[str, Any], used: set[str]) -> None:
 
 
 def _ignored(key: str) -> None:
-    log.warning("from_deepspeed: %s is not used by outcore and was ignored", key)
+    _said.get()[0].append(key)

@@ -79,7 +79,7 @@ def test_to_file_round_trips(tmp_path):
     assert Config.from_file(tmp_path / "c.json") == c
 
 
-def test_from_deepspeed_translates_and_warns_once_per_ignored_key(caplog):
+def test_from_deepspeed_translates_and_names_every_ignored_key_in_one_warning(caplog):
     ds = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 8,
@@ -98,10 +98,10 @@ def test_from_deepspeed_translates_and_warns_once_per_ignored_key(caplog):
     assert (c.dtype, c.grad_clip, c.grad_accumulation) == ("bf16", 1.0, 8)
     assert (c.io.block_size, c.io.queue_depth, c.io.threads) == (1 << 20, 16, 4)
     assert c.optimizer == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    warned = [r.message for r in caplog.records]
-    for key in ("train_micro_batch_size_per_gpu", "zero_optimization.overlap_comm",
-                "zero_optimization.offload_param.pin_memory", "aio.single_submit", "optimizer.params.torch_adam"):
-        assert sum(key in m for m in warned) == 1, key
+    assert [r.message for r in caplog.records] == [
+        "from_deepspeed: 5 setting(s) outcore does not use were ignored: train_micro_batch_size_per_gpu, "
+        "optimizer.params.torch_adam, zero_optimization.offload_param.pin_memory, zero_optimization.overlap_comm, "
+        "aio.single_submit"]
 
 
 def test_from_deepspeed_refuses_what_it_cannot_do():
@@ -121,9 +121,10 @@ def test_from_deepspeed_reads_a_json_path_and_says_what_auto_became(tmp_path, ca
     assert c == Config.from_deepspeed(str(tmp_path / "ds.json"))
     assert (c.stage, c.grad_accumulation, c.grad_clip, c.dtype) == (3, 1, 1.0, "fp32")
     assert c.optimizer == {"weight_decay": 0.1}
-    warned = [r.message for r in caplog.records if '"auto"' in r.message]
-    for key in ("gradient_accumulation_steps", "gradient_clipping", "bf16.enabled", "optimizer.params.lr"):
-        assert any(m.startswith(f"from_deepspeed: {key} is \"auto\"") for m in warned), key
+    assert {r.message for r in caplog.records if '"auto"' in r.message} == {  # the same for both calls
+        'from_deepspeed: gradient_accumulation_steps, gradient_clipping, bf16.enabled, optimizer.params.lr are '
+        '"auto", which the Hugging Face Trainer fills in from its own arguments; outcore took its own defaults '
+        "(give values to choose)"}
     with pytest.raises(ValueError, match="cannot read DeepSpeed config .*no-such.json"):
         Config.from_deepspeed(tmp_path / "no-such.json")
     (tmp_path / "bad.json").write_text("{stage: 3")
