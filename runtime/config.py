@@ -1,7 +1,7 @@
 """The engine's configuration: one validated dataclass, read from code, a file or a DeepSpeed config.
 
-User mistakes raise `ValueError` naming the key and what to do; settings that are read but ignored
-(from a DeepSpeed config) are warned about once each.
+User mistakes raise `ValueError` naming the key and what to do; the settings of a DeepSpeed config
+that are read but not used are named in one warning.
 """
 
 from __future__ import annotations
