@@ -69,16 +69,16 @@ class UnitPlan:
 
 
 def _is_block_list(m: nn.Module) -> bool:
-    """A ModuleList/Sequential of repeated blocks: every child holds parameters, and at least half
-    of them (two or more) are of one class. A block's own list of different parts (T5's attention
-    and feed-forward layers) or a model written as `Sequential(embedding, stack, head)` is not one."""
+    """A ModuleList/Sequential of repeated blocks: every child holds parameters, and a class repeats
+    among them (a hybrid's two or three kinds of layer too). A block's own list of different parts
+    (T5's attention and feed-forward layers) or a model written as `Sequential(embedding, stack,
+    head)` is not one."""
     if not isinstance(m, (nn.ModuleList, nn.Sequential)):
         return False
     children = list(m.children())
     if len(children) < 2 or not all(any(True for _ in c.parameters()) for c in children):
         return False
-    repeats = Counter(type(c) for c in children).most_common(1)[0][1]
-    return repeats >= 2 and 2 * repeats >= len(children)
+    return Counter(type(c) for c in children).most_common(1)[0][1] >= 2
 
 
 def _block_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -161,3 +161,16 @@ def test_a_model_without_a_list_of_blocks_is_said_once_to_be_one_unit(caplog):
     assert [r.message for r in caplog.records if "no list of repeated blocks" in r.message] == [
         "Flat has no list of repeated blocks: it is one unit, gathered whole for every step. Name its block "
         "classes in Config.unit_classes to page it in parts."]
+
+
+def test_a_hybrid_of_three_kinds_of_layer_is_still_a_list_of_blocks():
+    kinds = [nn.Linear, nn.Bilinear, nn.Conv1d]
+    make = {nn.Linear: lambda: nn.Linear(8, 8), nn.Bilinear: lambda: nn.Bilinear(8, 8, 8),
+            nn.Conv1d: lambda: nn.Conv1d(8, 8, 3)}
+
+    class Hybrid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(make[kinds[i % 3]]() for i in range(6))
+
+    assert names(plan_units(Hybrid())) == [f"layers.{i}" for i in range(6)]
