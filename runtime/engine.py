@@ -41,12 +41,7 @@ from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft
-from outcore.runtime.hooks import (
-    refuse_a_second_backward,
-    register_grad_hook,
-    register_root_entry_hooks,
-    register_unit_hooks,
-)
+from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.hyperparameters import check_lr
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
@@ -56,7 +51,7 @@ from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
 from outcore.runtime.state_dict import export, export_adapters, full_state_dict
 from outcore.runtime.trace import Trace
-from outcore.runtime.units import plan_units, root_entries
+from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
 from outcore.runtime.vertical import (
     SavedActivations,
@@ -487,14 +482,7 @@ class Engine:
             raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
         self.sharded.guard_state_dict()
-        for unit in self.units:
-            is_root = unit.plan.module is self.model
-            self._hooks += register_unit_hooks(self, unit, is_root=is_root)
-            if is_root:
-                entries = root_entries(self.model, unit.plan, [u.plan for u in self.units])
-                self._hooks += register_root_entry_hooks(self, unit, entries)
-            if not unit.frozen:
-                self._hooks.append(register_grad_hook(self, unit))
+        self._hooks = register_hooks(self, self.units, self.model)
 
     def _gather(self, unit: FlatUnit) -> None:
         """The unit's whole parameters, gathered unless they already are (a resident unit, the root

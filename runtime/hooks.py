@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from outcore.runtime.flat_unit import FlatUnit, UnitState
+from outcore.runtime.units import root_entries
 
 
 class UnitHookTarget(Protocol):
@@ -56,6 +57,20 @@ def refuse_a_second_backward(output: Any) -> None:
             ran[0] = True
 
         node.register_prehook(once)
+
+
+def register_hooks(engine: UnitHookTarget, units: list[FlatUnit], model: nn.Module) -> list[Any]:
+    """Every hook of every unit (the root's entries too); returns the handles (removed by `Engine.close`)."""
+    handles: list[Any] = []
+    for unit in units:
+        is_root = unit.plan.module is model
+        handles += register_unit_hooks(engine, unit, is_root=is_root)
+        if is_root:
+            entries = root_entries(model, unit.plan, [u.plan for u in units])
+            handles += register_root_entry_hooks(engine, unit, entries)
+        if not unit.frozen:
+            handles.append(register_grad_hook(engine, unit))
+    return handles
 
 
 def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool) -> list[Any]:
