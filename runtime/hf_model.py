@@ -13,6 +13,12 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "base_model")
 
 
+def parameter_adapters(model: nn.Module) -> list[str]:
+    """The modules that are peft LoRA adapters on a bare parameter (`LoraConfig.target_parameters`)."""
+    return [name for name, m in model.named_modules()
+            if type(m).__name__ == "ParamWrapper" and type(m).__module__.startswith("peft.")]
+
+
 def lora_init(model: nn.Module) -> object:
     """A peft model's `init_lora_weights` (True, peft's default, for any other model)."""
     configs = getattr(model, "peft_config", None)

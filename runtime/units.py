@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from outcore.runtime.hf_model import parameter_adapters
+
 log = logging.getLogger(__name__)
 
 
@@ -146,8 +148,7 @@ def _check_parameter_adapters(model: nn.Module) -> None:
     router, which "all-linear" targets under transformers 5) registers a torch parametrization on
     the wrapped module at every forward, and that needs the parameter registered there; the engine
     puts views of its units in place of parameters, so it cannot run. Refused here, by name."""
-    wrapped = [name for name, m in model.named_modules()
-               if type(m).__name__ == "ParamWrapper" and type(m).__module__.startswith("peft.")]
+    wrapped = parameter_adapters(model)
     if wrapped:
         raise ValueError(f"{wrapped[0]}{f' (and {len(wrapped) - 1} more)' if len(wrapped) > 1 else ''} is a peft "
                          "LoRA adapter on a bare parameter (LoraConfig.target_parameters), which the engine cannot "

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from outcore.runtime.hf_model import parameter_adapters
 from outcore.runtime.materialize import deferred_init
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class HFModel:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             tuned = peft.get_peft_model(model, self._lora("all-linear"))
-        if any(type(m).__name__ == "ParamWrapper" for m in tuned.modules()):
+        if parameter_adapters(tuned):
             # Under transformers 5, "all-linear" also wraps a mixture of experts' fused experts
             # and router, which are parameters, not linear modules (runtime/units.py refuses them).
             # What peft said of those is moot: the adapters are made again without them.
