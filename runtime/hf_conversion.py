@@ -119,8 +119,10 @@ def _outputs(converter: Any, target: str, parts: Sequence[tuple[str, StoredPart]
     try:
         built = _run(converter, target, parts, meta, model)
     except Exception as e:  # noqa: BLE001 - transformers' operations raise what they raise
+        why = " ".join(str(e).split())
         raise ValueError(f"tensors {parts[0][1].key!r} and the rest that make the model's {target!r} "
-                         f"({len(parts)} in all) cannot be merged as transformers does ({e}).") from e
+                         f"({len(parts)} in all, in {parts[0][1].file!r}) cannot be merged as transformers does "
+                         f"({why}): these weights are for another model or config, or a part is missing.") from e
     return {key: tuple(value.shape) for key, value in built.items()}
 
 

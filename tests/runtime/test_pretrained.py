@@ -224,6 +224,19 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
     assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
 
 
+def test_a_merged_tensor_with_a_part_missing_is_one_clear_error_and_nothing_is_written(tmp_path):
+    directory = save_model("mixtral", str(tmp_path / "m"))
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"the model's 'model\.layers\.1\.mlp\.experts\.gate_up_proj' \(7 in all, "
+                                         r"in '.*model\.safetensors'\) cannot be merged") as e:
+        outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    assert len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "nvme").exists()
+
+
 def test_lora_with_the_models_own_activation_checkpointing_equals_plain_peft(tmp_path):
     peft = pytest.importorskip("peft")
     directory = save_model("llama", str(tmp_path / "m"))
