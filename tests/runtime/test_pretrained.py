@@ -224,6 +224,28 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
     assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
 
 
+def test_the_base_model_called_on_its_own_trains_as_plain_adamw(tmp_path):
+    """`model.model(...)` (LlamaModel, a child of the root holding the root's embedding and norm)
+    with a loss of one's own: the child gathers the root unit itself (it raised ReleasedParameterError)."""
+    directory = save_model("llama", str(tmp_path / "m"))
+    ref = AutoModelForCausalLM.from_pretrained(directory)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
+    ours, theirs = [], []
+    for x in token_batches(3):
+        loss = ref.model(input_ids=x).last_hidden_state.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.append(loss.item())
+        loss = engine.module.model(input_ids=x).last_hidden_state.pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ours.append(loss.item())
+    assert_close_losses(ours, theirs)
+    engine.close()
+
+
 def test_a_merged_tensor_with_a_part_missing_is_one_clear_error_and_nothing_is_written(tmp_path):
     directory = save_model("mixtral", str(tmp_path / "m"))
     path = os.path.join(directory, "model.safetensors")
