@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class StoredPart(Protocol):
@@ -77,11 +80,18 @@ def convert_names(model: nn.Module, stored: dict[str, Stored | MergedTensor],
     hf_model = _unwrapped(model)
     if api is None or not hasattr(hf_model, "config") or all(name in wanted for name in stored):
         return dict(stored), 0
-    get_mapping, loading = api
     try:
-        mapping = get_mapping(hf_model)
-    except (AttributeError, TypeError, ValueError):  # not a transformers model after all
+        return _convert(api, hf_model, stored, wanted)
+    except (AttributeError, TypeError) as e:  # transformers' loading internals moved in this version
+        log.warning("weights: transformers' name conversions could not be applied (%s); stored names are "
+                    "matched as they are", e)
         return dict(stored), 0
+
+
+def _convert(api: Any, hf_model: Any, stored: dict[str, Stored | MergedTensor],
+             wanted: set[str]) -> tuple[dict[str, Stored | MergedTensor], int]:
+    get_mapping, loading = api
+    mapping = get_mapping(hf_model)
     renamings = [t for t in mapping if isinstance(t, loading.WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, loading.WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}

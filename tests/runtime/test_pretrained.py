@@ -246,6 +246,18 @@ def test_the_base_model_called_on_its_own_trains_as_plain_adamw(tmp_path):
     engine.close()
 
 
+def test_a_transformers_whose_conversion_api_moved_is_said_once_and_names_match_as_they_are(tmp_path, caplog,
+                                                                                             monkeypatch):
+    from outcore.runtime import hf_conversion
+
+    monkeypatch.setattr(hf_conversion, "_transformers_api", lambda: (lambda model: None, object()))
+    directory = save_model("gpt_neox", str(tmp_path / "m"))
+    with caplog.at_level("WARNING", logger="outcore.runtime.hf_conversion"), \
+            pytest.raises(ValueError, match="have no tensor 'lm_head.weight'"):
+        outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    assert [r.message for r in caplog.records if "could not be applied" in r.message]
+
+
 def test_a_merged_tensor_with_a_part_missing_is_one_clear_error_and_nothing_is_written(tmp_path):
     directory = save_model("mixtral", str(tmp_path / "m"))
     path = os.path.join(directory, "model.safetensors")
