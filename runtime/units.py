@@ -19,7 +19,7 @@ blocks, or in a block and outside it: what counts is where each registration run
 appears — (module, attribute name) — is recorded, so the gathered view is set at each of them.
 
 [Note: block lists] Without `unit_classes`, the blocks are the children of every outermost
-ModuleList/Sequential of repeated blocks (`_is_block_list`): a decoder's layers; both stacks of an
+ModuleList/Sequential/ModuleDict of repeated blocks (`_is_block_list`): a decoder's layers; both stacks of an
 encoder-decoder; the layers, not the experts inside each, of a mixture of experts; the model
 itself when it is a Sequential of blocks. A list inside a block is part of that block.
 """
@@ -71,11 +71,11 @@ class UnitPlan:
 
 
 def _is_block_list(m: nn.Module) -> bool:
-    """A ModuleList/Sequential of repeated blocks: every child holds parameters, and a class repeats
-    among them (a hybrid's two or three kinds of layer too). A block's own list of different parts
-    (T5's attention and feed-forward layers) or a model written as `Sequential(embedding, stack,
-    head)` is not one."""
-    if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+    """A ModuleList/Sequential/ModuleDict (torchtitan keeps its layers in one) of repeated blocks:
+    every child holds parameters, and a class repeats among them (a hybrid's two or three kinds of
+    layer too). A block's own list of different parts (T5's attention and feed-forward layers) or a
+    model written as `Sequential(embedding, stack, head)` is not one."""
+    if not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         return False
     children = list(m.children())
     if len(children) < 2 or not all(any(True for _ in c.parameters()) for c in children):

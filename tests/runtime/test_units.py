@@ -174,3 +174,13 @@ def test_a_hybrid_of_three_kinds_of_layer_is_still_a_list_of_blocks():
             self.layers = nn.ModuleList(make[kinds[i % 3]]() for i in range(6))
 
     assert names(plan_units(Hybrid())) == [f"layers.{i}" for i in range(6)]
+
+
+def test_a_module_dict_of_blocks_is_a_list_of_blocks_too():
+    class Titan(nn.Module):  # torchtitan's Llama keeps its layers in a ModuleDict keyed "0", "1", ...
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(4, 8)  # smaller than a layer: the root keeps it
+            self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(3)})
+
+    assert names(plan_units(Titan())) == ["layers.0", "layers.1", "layers.2", ""]
