@@ -24,6 +24,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from outcore.runtime.hf_model import wrapped_model
+
 log = logging.getLogger(__name__)
 
 
@@ -65,19 +67,13 @@ def _transformers_api() -> Any | None:
     return get_model_conversion_mapping, core_model_loading
 
 
-def _unwrapped(model: nn.Module) -> Any:
-    """The transformers model itself (peft wraps it; the stored names are its own)."""
-    unwrap = getattr(model, "get_base_model", None)
-    return unwrap() if callable(unwrap) else model
-
-
 def convert_names(model: nn.Module, stored: dict[str, Stored | MergedTensor],
                   wanted: set[str]) -> tuple[dict[str, Stored | MergedTensor], int]:
     """`stored` (by name) under the model's names where transformers would convert them; names the
     model has, and names no conversion maps to one it has, stay as they are (the caller reports
     those). Returns the tensors and how many stored names were converted."""
     api = _transformers_api()
-    hf_model = _unwrapped(model)
+    hf_model = wrapped_model(model)
     if api is None or not hasattr(hf_model, "config") or all(name in wanted for name in stored):
         return dict(stored), 0
     try:
@@ -146,4 +142,4 @@ def _run(converter: Any, target: str, parts: Sequence[tuple[str, StoredPart]],
 
 def assemble(merged: MergedTensor, read: Callable[[StoredPart], torch.Tensor], model: nn.Module) -> torch.Tensor:
     """The merged tensor, its parts read one by one with `read`."""
-    return _run(merged.converter, merged.group, merged.parts, read, _unwrapped(model))[merged.key]
+    return _run(merged.converter, merged.group, merged.parts, read, wrapped_model(model))[merged.key]

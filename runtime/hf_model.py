@@ -13,6 +13,14 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "base_model")
 
 
+def wrapped_model(model: nn.Module) -> nn.Module:
+    """The model itself: under peft, the base model it wraps (whose names the weight files use, and
+    whose `generate()` a peft model calls), else `model`."""
+    unwrap = getattr(model, "get_base_model", None)
+    inner = unwrap() if callable(unwrap) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def parameter_adapters(model: nn.Module) -> list[str]:
     """The modules that are peft LoRA adapters on a bare parameter (`LoraConfig.target_parameters`)."""
     return [name for name, m in model.named_modules()

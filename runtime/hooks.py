@@ -8,7 +8,7 @@
   its module's inputs does (runtime/units.py [Note: frozen units]).
 The root unit (everything outside the repeated blocks) is gathered in the root's forward pre-hook
 and released only when its own gradient is complete, or, without grad, when its forward returns.
-A child of the root that holds root parameters and is called on its own (`generate()` of an
+A module below the root that holds root parameters and is called on its own (`generate()` of an
 encoder-decoder runs `model.get_encoder()` first) gathers the root unit the same way.
 """
 
@@ -66,7 +66,7 @@ def register_hooks(engine: UnitHookTarget, units: list[FlatUnit], model: nn.Modu
         is_root = unit.plan.module is model
         handles += register_unit_hooks(engine, unit, is_root=is_root)
         if is_root:
-            entries = root_entries(model, unit.plan, [u.plan for u in units])
+            entries = root_entries(model, unit.plan)
             handles += register_root_entry_hooks(engine, unit, entries)
         if not unit.frozen:
             handles.append(register_grad_hook(engine, unit))
@@ -108,9 +108,9 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
 
 
 def register_root_entry_hooks(engine: UnitHookTarget, root: FlatUnit, entries: list[nn.Module]) -> list[Any]:
-    """Hooks on the root's children that hold root parameters (`entries`): called inside the root's
-    forward they do nothing; called on their own they gather the root unit, and without grad let it
-    go when they return."""
+    """Hooks on the modules that hold root parameters (`entries`): called inside the root's forward,
+    or inside another entry called on its own, they do nothing; called on their own they gather the
+    root unit, and without grad let it go when they return."""
     entered: list[nn.Module] = []  # the entry called on its own that gathered the root unit
 
     def pre_forward(module, _args):

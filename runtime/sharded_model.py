@@ -15,12 +15,14 @@ from torch import nn
 from outcore.offload import TieredStore
 from outcore.runtime.collectives import Group
 from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.hf_model import wrapped_model
 from outcore.runtime.policy import Placement
 from outcore.runtime.update_stream import UpdateStream
 
 # The engine's parameters are views it sets as plain attributes, not registered parameters. Models
 # that read their device and dtype from their first parameter (Hugging Face's `model.device`,
-# `model.dtype`, which `generate()` uses) find this zero-size one on the root instead.
+# `model.dtype`, which `generate()` uses) find this zero-size one instead, on the model itself
+# (under peft, on the base model, whose own `generate()` a peft model runs).
 ANCHOR = "outcore_anchor"
 
 log = logging.getLogger(__name__)
@@ -98,9 +100,10 @@ class ShardedModel:
         self.updates.drain()
 
     def anchor(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Register the zero-size parameter of `ANCHOR` on the root module."""
-        self.model.register_parameter(ANCHOR, AnchorParameter(torch.empty(0, device=device, dtype=dtype),
-                                                              requires_grad=False))
+        """Register the zero-size parameter of `ANCHOR` on the model itself: the root, or under peft
+        the base model, whose `generate()` reads its own device from its parameters."""
+        wrapped_model(self.model).register_parameter(
+            ANCHOR, AnchorParameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False))
 
     def guard_state_dict(self) -> None:
         """Put `guard` on every module that owns a parameter the engine took."""
@@ -111,4 +114,5 @@ class ShardedModel:
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers by state-dict name (all its state dict holds once sharded), on CPU."""
         with self.guard.open():
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k != ANCHOR}
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()
+                    if k.rpartition(".")[2] != ANCHOR}

@@ -220,13 +220,15 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
     return planned
 
 
-def root_entries(model: nn.Module, root: UnitPlan, plans: list[UnitPlan]) -> list[nn.Module]:
-    """The root's children that hold parameters of the root unit `root` and are no unit themselves:
-    the modules through which the root unit is used without the root's own forward."""
+def root_entries(model: nn.Module, root: UnitPlan) -> list[nn.Module]:
+    """Every module below the root that holds (itself or inside it) a parameter of the root unit
+    `root`: the ways in which the root unit may be used without the root's own forward (T5's
+    encoder, which `generate()` calls on its own; under peft, the same encoder one wrapper deeper)."""
     places = {id(m) for s in root.slots for m, _ in s.places}
-    unit_modules = {id(p.module) for p in plans}
-    return [child for _, child in model.named_children()
-            if id(child) not in unit_modules and any(id(m) in places for m in child.modules())]
+    names = [name for name, m in model.named_modules(remove_duplicate=False) if id(m) in places]
+    above = {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2) if name}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return list({id(modules[name]): modules[name] for name in sorted(above)}.values())
 
 
 def _split_frozen(unit: UnitPlan) -> list[UnitPlan]:

@@ -1,6 +1,7 @@
 """A Hugging Face encoder-decoder (T5) under the engine: both stacks paged block by block, training
 equal to plain AdamW, `generate()` (which runs the encoder on its own first) and `train_batch`."""
 
+import pytest
 import torch
 import transformers
 from helpers import assert_losses_match
@@ -82,4 +83,39 @@ def test_t5_train_batch_equals_accumulation(tmp_path):
     assert transformers.AutoConfig.from_pretrained(directory).use_cache  # restored on the model's configs too
     assert ours.module.decoder.config.use_cache and ours.module.config.use_cache
     ref.close()
+    ours.close()
+
+
+def test_t5_with_lora_trains_and_generates_as_peft_does(tmp_path):
+    """Under peft the encoder that generate() calls on its own is two wrappers deep."""
+    peft = pytest.importorskip("peft")
+    directory = save_t5(str(tmp_path / "t5"))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0, init_lora_weights=False,
+                           task_type="SEQ_2_SEQ_LM")
+    with outcore.deferred_init():
+        base = transformers.AutoModelForSeq2SeqLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+                         grad_clip=None, sub_group_size=4096)
+    ours = outcore.Engine(peft.get_peft_model(base, lora), cfg, outcore.AdamW(**HP), weights=directory)
+    ref = peft.get_peft_model(transformers.AutoModelForSeq2SeqLM.from_pretrained(directory), lora)
+    ref.load_state_dict({k: v for k, v in ours.full_state_dict().items() if "lora_" in k}, strict=False)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HP)
+    want, got = [], []
+    for batch in pairs(3):
+        loss = ref(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+        loss = ours(**batch).loss
+        ours.backward(loss)
+        ours.step()
+        got.append(float(loss.detach()))
+    assert_losses_match(got, want, rel=1e-5)
+    ours.eval()
+    ref.eval()
+    prompt = pairs(1, seed=5)[0]["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(ours.module.generate(input_ids=prompt, max_new_tokens=5, do_sample=False),
+                           ref.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
     ours.close()

@@ -224,6 +224,25 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
     assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
 
 
+def test_a_lora_model_generates_as_peft_does(tmp_path):
+    """peft's generate() runs the base model's, which reads its device from its own parameters:
+    there were none (the engine's anchor sat on the peft wrapper), and it raised StopIteration."""
+    peft = pytest.importorskip("peft")
+    directory = save_model("llama", str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), lora), nvme_config(tmp_path), weights=directory)
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    ref.load_state_dict({k: v for k, v in engine.full_state_dict().items() if "lora_" in k}, strict=False)
+    engine.eval()
+    ref.eval()
+    prompt = token_batches(1)[0][:1, :5]
+    with torch.no_grad():
+        ours = engine.module.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        theirs = ref.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert ours.shape == (1, 13) and torch.equal(ours, theirs)
+    engine.close()
+
+
 def test_the_base_model_called_on_its_own_trains_as_plain_adamw(tmp_path):
     """`model.model(...)` (LlamaModel, a child of the root holding the root's embedding and norm)
     with a loss of one's own: the child gathers the root unit itself (it raised ReleasedParameterError)."""
