@@ -10,6 +10,7 @@ import outcore
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
+
 def save_t5(directory):
     cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2,
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
@@ -17,40 +18,54 @@ def save_t5(directory):
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(directory)
     return directory
 
+
 def pairs(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, 64, (2, 10), generator=g),
              "labels": torch.randint(1, 64, (2, 7), generator=g)} for _ in range(n)]
 
-def engine(directory, nvme_dir, accum=1):
+def engine(directory, nvme_dir, accum=1, wrap=lambda model: model):
+    """The T5 of `directory` under the engine (`wrap`: what to make of the model first, peft's LoRA)."""
     with outcore.deferred_init():
         model = transformers.AutoModelForSeq2SeqLM.from_config(transformers.AutoConfig.from_pretrained(directory))
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(nvme_dir),
                          grad_clip=None, grad_accumulation=accum, sub_group_size=4096)
-    return outcore.Engine(model, cfg, outcore.AdamW(**HP), weights=directory)
+    return outcore.Engine(wrap(model), cfg, outcore.AdamW(**HP), weights=directory)
+
+
+def plain_steps(model, data):
+    """Losses of plain torch.optim.AdamW steps on `data`, one per batch."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP)
+    losses = []
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def engine_steps(ours, data):
+    """Losses of the engine's steps on `data`, one per batch."""
+    losses = []
+    for batch in data:
+        loss = ours(**batch).loss
+        ours.backward(loss)
+        ours.step()
+        losses.append(float(loss.detach()))
+    return losses
+
 
 def test_t5_pages_both_stacks_trains_as_plain_adamw_and_generates_the_same(tmp_path):
     directory = save_t5(str(tmp_path / "t5"))
     plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory)
     data = pairs(4)
-    opt = torch.optim.AdamW(plain.parameters(), **HP)
-    want = []
-    for batch in data:
-        loss = plain(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
+    want = plain_steps(plain, data)
     ours = engine(directory, tmp_path / "nvme")
     assert [u.plan.name for u in ours.units] == [*(f"encoder.block.{i}" for i in range(3)),
                                                  *(f"decoder.block.{i}" for i in range(2)), ""]
-    got = []
-    for batch in data:
-        loss = ours(**batch).loss
-        ours.backward(loss)
-        ours.step()
-        got.append(float(loss.detach()))
-    assert_losses_match(got, want, rel=1e-5)
+    assert_losses_match(engine_steps(ours, data), want, rel=1e-5)
     trained = ours.full_state_dict()
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -68,12 +83,7 @@ def test_t5_train_batch_equals_accumulation(tmp_path):
     directory = save_t5(str(tmp_path / "t5"))
     data = pairs(2 * k)
     ref = engine(directory, tmp_path / "ref", accum=k)
-    want = []
-    for batch in data:
-        loss = ref(**batch).loss
-        ref.backward(loss)
-        ref.step()
-        want.append(float(loss.detach()))
+    want = engine_steps(ref, data)
     ours = engine(directory, tmp_path / "ours")
     got = [loss for s in range(2) for loss in ours.train_batch(data[s * k:(s + 1) * k])["losses"]]
     assert_losses_match(got, want, rel=1e-5)
@@ -92,26 +102,11 @@ def test_t5_with_lora_trains_and_generates_as_peft_does(tmp_path):
     directory = save_t5(str(tmp_path / "t5"))
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0, init_lora_weights=False,
                            task_type="SEQ_2_SEQ_LM")
-    with outcore.deferred_init():
-        base = transformers.AutoModelForSeq2SeqLM.from_config(transformers.AutoConfig.from_pretrained(directory))
-    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
-                         grad_clip=None, sub_group_size=4096)
-    ours = outcore.Engine(peft.get_peft_model(base, lora), cfg, outcore.AdamW(**HP), weights=directory)
+    ours = engine(directory, tmp_path / "nvme", wrap=lambda model: peft.get_peft_model(model, lora))
     ref = peft.get_peft_model(transformers.AutoModelForSeq2SeqLM.from_pretrained(directory), lora)
     ref.load_state_dict({k: v for k, v in ours.full_state_dict().items() if "lora_" in k}, strict=False)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HP)
-    want, got = [], []
-    for batch in pairs(3):
-        loss = ref(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
-        loss = ours(**batch).loss
-        ours.backward(loss)
-        ours.step()
-        got.append(float(loss.detach()))
-    assert_losses_match(got, want, rel=1e-5)
+    data = pairs(3)
+    assert_losses_match(engine_steps(ours, data), plain_steps(ref, data), rel=1e-5)
     ours.eval()
     ref.eval()
     prompt = pairs(1, seed=5)[0]["input_ids"]
