@@ -225,9 +225,9 @@ def root_entries(model: nn.Module, root: UnitPlan) -> list[nn.Module]:
     `root`: the ways in which the root unit may be used without the root's own forward (T5's
     encoder, which `generate()` calls on its own; under peft, the same encoder one wrapper deeper)."""
     places = {id(m) for s in root.slots for m, _ in s.places}
-    names = [name for name, m in model.named_modules(remove_duplicate=False) if id(m) in places]
-    above = {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2) if name}
     modules = dict(model.named_modules(remove_duplicate=False))
+    names = [name for name, m in modules.items() if id(m) in places]
+    above = {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2) if name}
     return list({id(modules[name]): modules[name] for name in sorted(above)}.values())
 
 
