@@ -54,3 +54,12 @@ def assert_losses_match(ours, ref, rel=1e-5):
     assert len(ours) == len(ref)
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert abs(a - b) <= rel * abs(b), f"step {i}: engine {a} vs PyTorch {b}"
+
+
+def assert_same_weights(a, b, tol=1e-5):
+    """The final weights of two engines, element by element. An absolute floor as large as the
+    relative tolerance: gradients summed in another order differ in the last bit, and AdamW's second
+    step magnifies that wherever two steps' gradients nearly cancel in the first moment."""
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    for k, v in sa.items():
+        torch.testing.assert_close(sb[k], v, rtol=tol, atol=tol, msg=k)

@@ -4,7 +4,7 @@ equal to plain AdamW, `generate()` (which runs the encoder on its own first) and
 import pytest
 import torch
 import transformers
-from helpers import assert_losses_match
+from helpers import assert_losses_match, assert_same_weights
 
 import outcore
 
@@ -87,9 +87,7 @@ def test_t5_train_batch_equals_accumulation(tmp_path):
     ours = engine(directory, tmp_path / "ours")
     got = [loss for s in range(2) for loss in ours.train_batch(data[s * k:(s + 1) * k])["losses"]]
     assert_losses_match(got, want, rel=1e-5)
-    a, b = ref.full_state_dict(), ours.full_state_dict()
-    for name, value in a.items():
-        torch.testing.assert_close(b[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_weights(ref, ours)
     assert transformers.AutoConfig.from_pretrained(directory).use_cache  # restored on the model's configs too
     assert ours.module.decoder.config.use_cache and ours.module.config.use_cache
     ref.close()

@@ -3,7 +3,7 @@ and once in backward for all K, equal to K backward() calls with grad_accumulati
 
 import pytest
 import torch
-from helpers import assert_losses_match
+from helpers import assert_losses_match, assert_same_weights
 from hf_models import deferred, save_model, token_batches
 from models import TinyGPT, batches
 
@@ -30,12 +30,6 @@ def accumulate(engine, data):
         engine.step()
         losses.append(float(loss.detach()))
     return losses
-
-
-def assert_same_weights(a, b, tol=1e-5):
-    sa, sb = a.full_state_dict(), b.full_state_dict()
-    for k, v in sa.items():
-        torch.testing.assert_close(sb[k], v, rtol=tol, atol=tol, msg=k)
 
 
 @pytest.mark.parametrize("stage, params, optim, clip", [(3, "nvme", "nvme", None), (3, "nvme", "nvme", 1.0),
