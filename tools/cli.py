@@ -295,14 +295,14 @@ def _estimate(args: argparse.Namespace) -> int:
         elif args.lora is not None:
             if not os.path.isdir(args.model):
                 raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
-            hf = HFModel(args.model, args.lora)
+            hf = HFModel(args.model, args.lora, causal_only=False)
             units, layout = unit_layout(hf.build())
             dims = hf_dims(hf.config())
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
             what = (f"{args.model} + LoRA r={args.lora} ({sum(units) / 1e9:.3f}B parameters, "
                     f"{trained / 1e6:.2f}M trained)")
         else:
-            source = resolve_model(args.model)
+            source = resolve_model(args.model, causal_only=False)
             units, layout = source_layout(source)
             if source.gpt is not None:
                 dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)

@@ -30,6 +30,9 @@ def is_hf_directory(spec: str) -> bool:
 class HFModel:
     directory: str
     lora_rank: int | None = None  # None: full fine-tuning
+    # Training packs text for a causal LM; sizing memory (`outcore estimate`) takes any model, built
+    # with its LM head where transformers has one (a causal or a sequence-to-sequence LM).
+    causal_only: bool = True
 
     def __post_init__(self) -> None:
         if not os.path.exists(os.path.join(self.directory, "config.json")):
@@ -57,7 +60,7 @@ class HFModel:
             return model
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            tuned = peft.get_peft_model(model, self._lora("all-linear"))
+            tuned = peft.get_peft_model(model, self._lora("all-linear", model))
         if parameter_adapters(tuned):
             # Under transformers 5, "all-linear" also wraps a mixture of experts' fused experts
             # and router, which are parameters, not linear modules (runtime/units.py refuses them).
@@ -67,32 +70,39 @@ class HFModel:
                         "modules, and get none", ", ".join(modules), self.directory)
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
-                tuned = peft.get_peft_model(self._base(), self._lora(modules))
+                base = self._base()
+                tuned = peft.get_peft_model(base, self._lora(modules, base))
         for w in said:
             if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return tuned
 
-    def _lora(self, targets: str | list[str]) -> Any:
+    def _lora(self, targets: str | list[str], model: nn.Module) -> Any:
         import peft
 
         rank = self.lora_rank or 1
+        seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
-                               task_type="CAUSAL_LM")
+                               task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
 
     def _base(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
         config = self.config()
+        kinds = [AutoModelForCausalLM] if self.causal_only else [AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel]
         with deferred_init():
-            try:
-                model = AutoModelForCausalLM.from_config(config)
-            except ValueError as e:  # transformers lists every causal-LM config class, over many lines
-                raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model "
-                                 f"({type(config).__name__}), which transformers builds no causal language model "
-                                 "from; the command line fine-tunes causal LMs. Other models train through "
-                                 "outcore.Engine in Python.") from e
-        return model
+            for kind in kinds:
+                try:
+                    return kind.from_config(config)
+                except ValueError:  # transformers lists every config class it knows, over many lines
+                    continue
+        if self.causal_only:
+            raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model "
+                             f"({type(config).__name__}), which transformers builds no causal language model "
+                             "from; the command line fine-tunes causal LMs. Other models train through "
+                             "outcore.Engine in Python.")
+        raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), "
+                         "which transformers builds no model from.")
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -27,11 +27,11 @@ class ModelSource:
     init_fn: Callable[[nn.Module], None] | None
 
 
-def resolve_model(spec: str, *, seq: int | None = None) -> ModelSource:
+def resolve_model(spec: str, *, seq: int | None = None, causal_only: bool = True) -> ModelSource:
     """'gpt-125m' (a preset), a Hugging Face model directory, or 'package.module:factory'; ValueError
-    naming the choices otherwise."""
+    naming the choices otherwise. `causal_only`: a directory must hold a causal LM (`HFModel`)."""
     if is_hf_directory(spec):
-        hf = HFModel(spec)
+        hf = HFModel(spec, causal_only=causal_only)
         return ModelSource(spec, hf.build, None, None)
     if spec in PRESETS:
         cfg = PRESETS[spec] if seq is None else dataclasses.replace(PRESETS[spec], seq=seq)

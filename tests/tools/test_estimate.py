@@ -112,3 +112,34 @@ def test_estimate_accumulate_prints_and_writes_the_activation_keys(tmp_path, cap
     assert main(["estimate", "--model", "tiny", "--accumulate", "4", "--batch", "2", "--json", str(out)]) == 0
     assert "train_batch of 4 micro-batches of 2 x 128" in capsys.readouterr().out
     assert json.loads(out.read_text())["train_batch_activation_bytes"] == 4 * 2 * 128 * (6 * 128 * 2 + 2 * 256 * 4)
+
+
+@pytest.mark.parametrize("lora", [None, 4])
+def test_estimate_of_an_encoder_decoder_is_the_plan_its_engine_makes(tmp_path, lora):
+    """`estimate --model DIR` sizes any model transformers builds with an LM head, not causal LMs alone
+    (T5 was refused with train's "no causal language model"), and with its LoRA adapters."""
+    import peft
+    import transformers
+
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=1,
+                                num_heads=4)
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
+    out = tmp_path / "e.json"
+    argv = ["estimate", "--model", str(tmp_path / "t5"), "--stage", "3", "--offload-params", "cpu",
+            "--offload-optimizer", "cpu", "--dtype", "fp32", "--device", "cpu", "--json", str(out)]
+    assert main([*argv, *(["--lora", str(lora)] if lora else [])]) == 0
+    row = json.loads(out.read_text())["rows"]
+    assert len(row) == 1
+
+    with outcore.deferred_init():
+        model = transformers.T5ForConditionalGeneration(cfg)
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear",
+                                                           task_type="SEQ_2_SEQ_LM"))
+    config = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu", dtype="fp32")
+    engine = outcore.Engine(model, config, weights=tmp_path / "t5")
+    try:
+        plan = engine.memory_plan().as_dict()
+    finally:
+        engine.close()
+    assert {tier: row[0][tier] for tier in ("device", "host", "nvme")} == plan
