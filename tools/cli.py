@@ -15,6 +15,7 @@ from outcore.tools.interrupts import Interrupted, handle_signals
 from outcore.tools.presets import PRESETS
 from outcore.tools.units import (
     human_bytes,
+    human_count,
     non_negative_float,
     non_negative_int,
     parse_count,
@@ -290,7 +291,7 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
             dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)
-            what = (f"a GPT of {sum(units) / 1e9:.2f}B parameters ({shape.layers} layers, d_model {shape.d_model}, "
+            what = (f"a GPT of {human_count(sum(units))} parameters ({shape.layers} layers, d_model {shape.d_model}, "
                     f"vocab {shape.vocab})")
         elif args.lora is not None:
             if not os.path.isdir(args.model):
@@ -299,8 +300,8 @@ def _estimate(args: argparse.Namespace) -> int:
             units, layout = unit_layout(hf.build())
             dims = hf_dims(hf.config())
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
-            what = (f"{args.model} + LoRA r={args.lora} ({sum(units) / 1e9:.3f}B parameters, "
-                    f"{trained / 1e6:.2f}M trained)")
+            what = (f"{args.model} + LoRA r={args.lora} ({human_count(sum(units))} parameters, "
+                    f"{human_count(trained)} trained)")
         else:
             source = resolve_model(args.model, causal_only=False)
             units, layout = source_layout(source)
@@ -308,7 +309,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
             elif os.path.isdir(args.model):
                 dims = hf_dims(HFModel(args.model).config())
-            what = f"{args.model} ({sum(units) / 1e9:.3f}B parameters)"
+            what = f"{args.model} ({human_count(sum(units))} parameters)"
         if args.accumulate and dims is None:
             raise ValueError(f"--accumulate: the activations of {args.model!r} cannot be sized from here; give a "
                              "preset, --params or a model directory.")

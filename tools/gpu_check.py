@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from outcore.tools.units import human_bytes
+from outcore.tools.units import human_bytes, human_count
 
 PARITY_SETTINGS = [(1, "none", "none"), (1, "none", "cpu"), (2, "none", "cpu"), (2, "none", "nvme"),
                    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "nvme")]
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         r = part(preset, work, into=result["throughput"])
         if r is None:
             continue
-        print(f"  {preset} ({r['params'] / 1e9:.2f}B, states on {offload}): {r['tokens_per_s']:,.0f} tok/s, "
+        print(f"  {preset} ({human_count(r['params'])}, states on {offload}): {r['tokens_per_s']:,.0f} tok/s, "
               f"{r['model_TFLOPS']:.1f} TFLOPS, MFU {r['MFU']:.1%}, GPU peak "
               f"{human_bytes(r['peak_rss_gpu_bytes'])}", flush=True)
     result["seconds"] = time.perf_counter() - t0

@@ -31,7 +31,7 @@ from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested
 from outcore.tools.report import peak_rss
 from outcore.tools.train_job import Data, Job, hf_job, job_loss, preset_job
-from outcore.tools.units import human_bytes
+from outcore.tools.units import human_bytes, human_count
 
 log = logging.getLogger("outcore.train")
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
@@ -251,8 +251,8 @@ def _train(opts: TrainOptions, report) -> dict:
         start = engine.global_step
         # weights, and for the trainable ones fp32 gradients, master and moments
         state_bytes = job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12)
-        trainable = "" if job.trainable == job.params else f", {job.trainable / 1e6:,.2f}M of them trained"
-        report(f"outcore train: {job.name}, {job.params / 1e6:,.1f}M parameters{trainable} "
+        trainable = "" if job.trainable == job.params else f", {human_count(job.trainable)} of them trained"
+        report(f"outcore train: {job.name}, {human_count(job.params)} parameters{trainable} "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
                f"batch {opts.batch} x {job.seq} {job.tokens}"
@@ -341,7 +341,7 @@ def _train(opts: TrainOptions, report) -> dict:
     losses = (f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history
               else f" (the checkpoint is at step {start}, and --steps is {steps})")
     val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
-    report(f"outcore train: done. {job.name} ({job.params / 1e6:,.1f}M params, {human_bytes(state_bytes)} of "
+    report(f"outcore train: done. {job.name} ({human_count(job.params)} params, {human_bytes(state_bytes)} of "
            f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")

@@ -39,6 +39,16 @@ def parse_count(text: str) -> int:
     return int(value * _COUNT[unit])
 
 
+def human_count(n: float) -> str:
+    """A parameter count as `parse_count` reads it, to three significant digits: 512, 82.3K, 14.5M, 1.3B."""
+    scales = (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))
+    for i, (unit, scale) in enumerate(scales):
+        value = float(f"{n / scale:.3g}")
+        if abs(value) < 1000 or i == len(scales) - 1:
+            return f"{value:g}{unit}"
+    raise AssertionError
+
+
 def parse_list(text: str, parse=int) -> list:
     """'128K,1M,8M' -> [131072, 1048576, 8388608] with `parse` applied to each item."""
     items = [t for t in text.split(",") if t.strip()]

@@ -24,7 +24,7 @@ def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
     vals = [v for _, v in s["val_losses"]]
     assert len(vals) == 5 and vals[-1] < vals[0]
     last = res.stdout.strip().splitlines()[-1]
-    assert "done" in last and "peak RSS" in last and "0.8M params" in last
+    assert "done" in last and "peak RSS" in last and "842K params" in last  # 842,496
     assert os.path.exists(tmp_path / "outcore-run" / "checkpoints" / "step30" / "meta.json")
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]
 
