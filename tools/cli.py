@@ -437,6 +437,9 @@ def _run(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"outcore: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader of our output left (`outcore estimate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return EXIT_RUNTIME
     except Exception as e:  # noqa: BLE001 - a runtime failure: its cause, not a traceback
         print(f"outcore {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_RUNTIME

@@ -127,3 +127,19 @@ def test_every_cli_error_is_one_line_with_the_spec_exit_status(tmp_path, monkeyp
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("outcore") and words in lines[0], err
     assert not (tmp_path / "victim").exists()
+
+
+def test_a_reader_that_leaves_early_stops_the_command_quietly(tmp_path):
+    """`outcore estimate ... | head`: the pipe closes before the command prints; it stops with status 1
+    and says nothing (it printed "failed: BrokenPipeError", and Python's exit then complained again)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "outcore.tools.cli", "estimate", "--params", "13B"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # long before the interpreter has started and computed the table
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
