@@ -219,7 +219,8 @@ def largest_fitting(memory_bytes: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m outcore.tools.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--json", "--out", dest="out", metavar="PATH", default="gpu_check.json",
+                   help="the one JSON file of every result, written as each part ends (default: gpu_check.json)")
     p.add_argument("--nvme-dir", default=".", help="where the NVMe runs put their swap files")
     p.add_argument("--quick", action="store_true", help="fewer steps, the 1.3B run only")
     args = p.parse_args(argv)

@@ -12,7 +12,7 @@ from outcore.tools import gpu_check
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
 def test_without_cuda_it_says_so_and_exits_0(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    assert gpu_check.main(["--out", str(out)]) == 0
+    assert gpu_check.main(["--json", str(out)]) == 0  # --json, as every outcore tool names it
     assert "no CUDA GPU" in capsys.readouterr().out
     assert json.loads(out.read_text())["cuda"] is False
 
