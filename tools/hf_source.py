@@ -90,19 +90,20 @@ class HFModel:
 
         config = self.config()
         kinds = [AutoModelForCausalLM] if self.causal_only else [AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel]
+        refused: list[ValueError] = []  # transformers lists every config class it knows, over many lines
         with deferred_init():
             for kind in kinds:
                 try:
                     return kind.from_config(config)
-                except ValueError:  # transformers lists every config class it knows, over many lines
-                    continue
+                except ValueError as e:
+                    refused.append(e)
         if self.causal_only:
             raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model "
                              f"({type(config).__name__}), which transformers builds no causal language model "
                              "from; the command line fine-tunes causal LMs. Other models train through "
-                             "outcore.Engine in Python.")
+                             "outcore.Engine in Python.") from refused[0]
         raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), "
-                         "which transformers builds no model from.")
+                         "which transformers builds no model from.") from refused[0]
 
     def tokenizer(self):
         from transformers import AutoTokenizer
