@@ -90,20 +90,18 @@ class HFModel:
 
         config = self.config()
         kinds = [AutoModelForCausalLM] if self.causal_only else [AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel]
-        refused: list[ValueError] = []  # transformers lists every config class it knows, over many lines
+        first: ValueError | None = None  # transformers lists every config class it knows, over many lines
         with deferred_init():
             for kind in kinds:
                 try:
                     return kind.from_config(config)
                 except ValueError as e:
-                    refused.append(e)
+                    first = first or e
+        what = f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), which"
         if self.causal_only:
-            raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model "
-                             f"({type(config).__name__}), which transformers builds no causal language model "
-                             "from; the command line fine-tunes causal LMs. Other models train through "
-                             "outcore.Engine in Python.") from refused[0]
-        raise ValueError(f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), "
-                         "which transformers builds no model from.") from refused[0]
+            raise ValueError(f"{what} transformers builds no causal language model from; the command line "
+                             "fine-tunes causal LMs. Other models train through outcore.Engine in Python.") from first
+        raise ValueError(f"{what} transformers builds no model from.") from first
 
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -23,7 +23,8 @@ def parse_size(text: str) -> int:
     return int(value * _BINARY[unit])
 
 
-_COUNT = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_COUNT_UNITS = (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))  # as counts are written
+_COUNT = {**dict(_COUNT_UNITS), "G": 10**9}  # and read: G too, for billions
 
 
 def parse_count(text: str) -> int:
@@ -41,10 +42,9 @@ def parse_count(text: str) -> int:
 
 def human_count(n: float) -> str:
     """A parameter count as `parse_count` reads it, to three significant digits: 512, 82.3K, 14.5M, 1.3B."""
-    scales = (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))
-    for i, (unit, scale) in enumerate(scales):
+    for i, (unit, scale) in enumerate(_COUNT_UNITS):
         value = float(f"{n / scale:.3g}")
-        if abs(value) < 1000 or i == len(scales) - 1:
+        if abs(value) < 1000 or i == len(_COUNT_UNITS) - 1:
             return f"{value:g}{unit}"
     raise AssertionError
 
