@@ -212,6 +212,42 @@ def _fits(layout: list[dict]) -> list[dict]:
     return [{k: u.get(k, False) for k in ("name", "numel", "frozen", "params")} for u in layout]
 
 
+def _named(param: dict) -> str:
+    first, *tied = param["names"]
+    return f"{first} (tied to {', '.join(tied)})" if tied else first
+
+
+def _first_difference(saved: list[dict], built: list[dict]) -> str:
+    """Where two unit layouts (`_fits`) part, in words: the user's guide to what changed."""
+    saved_names, built_names = [u["name"] for u in saved], [u["name"] for u in built]
+    missing = [n for n in saved_names if n not in built_names]
+    extra = [n for n in built_names if n not in saved_names]
+    if missing and extra:  # e.g. a unit frozen on one side only: its name says "(frozen)"
+        return f"the checkpoint's unit {missing[0]!r} is not in this model, which has {extra[0]!r}"
+    if missing:
+        return f"the checkpoint's unit {missing[0]!r} is not in this model"
+    if extra:
+        return f"this model's unit {extra[0]!r} is not in the checkpoint"
+    if saved_names != built_names:
+        return "the units come in another order"
+    for s, b in zip(saved, built, strict=True):
+        name = s["name"]
+        sps, bps = s["params"] or [], b["params"] or []  # a layout may have no parameter list: False
+        for sp, bp in zip(sps, bps, strict=False):
+            if sp["names"] != bp["names"]:
+                return f"the checkpoint has {_named(sp)} where this model has {_named(bp)}"
+            if sp["shape"] != bp["shape"]:
+                return f"{sp['names'][0]} is {sp['shape']} in the checkpoint and {bp['shape']} in this model"
+            if sp != bp:
+                return f"{sp['names'][0]} sits at offset {sp.get('offset')} of its unit in the checkpoint, " \
+                       f"{bp.get('offset')} in this model"
+        if len(sps) != len(bps):
+            return f"unit {name!r} holds {len(sps)} parameters in the checkpoint, {len(bps)} in this model"
+        if s["numel"] != b["numel"]:
+            return f"unit {name!r} holds {s['numel']:,} elements in the checkpoint, {b['numel']:,} in this model"
+    return "the unit layouts differ"
+
+
 def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) -> dict:
     """Restore the model states of a checkpoint written by `save_checkpoint` exactly, on any number
     of ranks (each reads its own new shard from whichever rank files hold it; see
@@ -221,9 +257,11 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     sm.updates.abandon()
     folder = find_checkpoint(directory, tag)
     meta = read_meta(folder)
-    if _fits(meta.get("units") or []) != _fits(_layout(sm)):
-        raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split "
-                         "(unit layout differs); build the same model with the same unit_classes.")
+    saved, built = _fits(meta.get("units") or []), _fits(_layout(sm))
+    if saved != built:
+        raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split: "
+                         f"{_first_difference(saved, built)}. Build the model as it was when saved (its "
+                         "config, LoRA rank and frozen parameters) with the same unit_classes.")
     shards = CheckpointShards(folder, meta, verify=lambda name: verify_rank_file(folder, meta, name))
     store, place, rank = sm.store, sm.place, sm.group.rank
     shards.open_for([(u.index, rank * u.layout.shard, (rank + 1) * u.layout.shard) for u in sm.units])

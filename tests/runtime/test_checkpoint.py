@@ -81,15 +81,33 @@ def test_checkpoint_layout_is_atomic_and_checksummed(tmp_path):
     e.close()
 
 
-def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+def first_block_frozen(model):
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("model, difference", [
+    (lambda: TinyGPT(layers=2), "the checkpoint's unit 'blocks.2' is not in this model"),
+    (lambda: TinyGPT(layers=4), "this model's unit 'blocks.3' is not in the checkpoint"),
+    (lambda: TinyGPT(vocab=80), r"tok.weight is \[64, 32\] in the checkpoint and \[80, 32\] in this model"),
+    (lambda: first_block_frozen(TinyGPT()),
+     r"the checkpoint's unit 'blocks.0' is not in this model, which has 'blocks.0 \(frozen\)'"),
+    (lambda: TinyGPT(tied=False),
+     r"the checkpoint has tok.weight \(tied to head.weight\) where this model has tok.weight"),
+])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path, model, difference):
     e = make(tmp_path, "a")
     e.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    before = e.full_state_dict()
     e.close()
-    cfg = outcore.Config(stage=3, nvme_dir=str(tmp_path / "n2"))
-    other = outcore.Engine(TinyGPT(layers=2), cfg)
-    with pytest.raises(ValueError, match="different model"):
+    other = outcore.Engine(model(), outcore.Config(stage=3, nvme_dir=str(tmp_path / "n2")))
+    with pytest.raises(ValueError, match=f"different model or unit split: {difference}. Build the model as it was"):
         other.load_checkpoint(str(tmp_path / "ckpt"))
     other.close()
+    again = make(tmp_path, "b")  # the refusal wrote nothing: the checkpoint still loads whole
+    again.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(before[k], v) for k, v in again.full_state_dict().items())
+    again.close()
 
 
 def test_export_loads_into_a_plain_model_with_equal_logits(tmp_path):
