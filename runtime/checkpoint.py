@@ -86,7 +86,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
-                    "files": dict(crcs)}
+                    "hf_generation_config": progress.get("hf_generation_config"), "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
         if sm.group.rank == 0:

@@ -40,7 +40,13 @@ from outcore.runtime.config import Config
 from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import hf_config, hf_config_writer, is_peft
+from outcore.runtime.hf_model import (
+    generation_settings,
+    hf_config,
+    hf_config_writer,
+    is_peft,
+    read_generation_config,
+)
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.hyperparameters import check_lr
 from outcore.runtime.loss_scale import LossScaler
@@ -116,6 +122,8 @@ class Engine:
         adapters = is_peft(model)  # trainable parameters missing from the files are its adapters
         if pretrained is not None:  # every name and shape checked before anything is written
             pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
+            if os.path.isdir(pretrained.path):
+                read_generation_config(model, pretrained.path)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         self.store, self.place, read_ahead, self._owned_dir = open_store(config, self.policy, self.device,
                                                                          self.group.rank, shapes_of(plans, self.policy))
@@ -328,7 +336,8 @@ class Engine:
         config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
                     "config": self.config.to_dict(),
-                    "hf_config": config.to_dict() if config is not None else None}  # type: ignore[attr-defined]
+                    "hf_config": config.to_dict() if config is not None else None,  # type: ignore[attr-defined]
+                    "hf_generation_config": generation_settings(self.model)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

@@ -4,6 +4,7 @@ weights directory does not hold), and how peft initializes them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from torch import nn
@@ -61,5 +62,31 @@ def hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
         if not getattr(config, "architectures", None):
             config.architectures = [type(model).__name__]  # type: ignore[attr-defined]
         config.save_pretrained(directory)  # type: ignore[attr-defined]
+        if _can_generate(model):  # as save_pretrained writes it
+            model.generation_config.save_pretrained(directory)  # type: ignore[union-attr,operator]
 
     return write
+
+
+def read_generation_config(model: nn.Module, directory: str) -> None:
+    """As `from_pretrained` does: a model that generates takes the settings stored beside its
+    weights (generation_config.json: end-of-sequence ids, sampling defaults), so that `generate()`
+    and an export keep them. A model built from its config alone has only defaults derived from it."""
+    inner = wrapped_model(model)
+    if _can_generate(inner) and os.path.isfile(os.path.join(directory, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        inner.generation_config = GenerationConfig.from_pretrained(directory)  # type: ignore[assignment]
+
+
+def generation_settings(model: nn.Module) -> dict | None:
+    """What generation_config.json holds for `model` (values that differ from the defaults), for a
+    checkpoint's meta.json, from which `outcore export` writes the file; None for a model that
+    does not generate."""
+    inner = wrapped_model(model)
+    return inner.generation_config.to_diff_dict() if _can_generate(inner) else None  # type: ignore[union-attr,operator]
+
+
+def _can_generate(model: nn.Module) -> bool:
+    can = getattr(model, "can_generate", None)
+    return callable(can) and bool(can()) and getattr(model, "generation_config", None) is not None

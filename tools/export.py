@@ -42,8 +42,9 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                       verify: bool = True, max_shard_size: int = 5_000_000_000) -> dict:
     """Write every parameter and buffer of the checkpoint at `path` into one safetensors file (`out`
     ending in `.safetensors`), or into a Hugging Face directory: shards of at most `max_shard_size`
-    bytes, their index, and config.json when the run's model carried a Hugging Face config (tied
-    weights stored once, under their first name, as `save_pretrained` does).
+    bytes, their index, and config.json (with generation_config.json for a model that generates)
+    when the run's model carried a Hugging Face config (tied weights stored once, under their first
+    name, as `save_pretrained` does).
 
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
     The output appears whole or not at all (runtime/export_target.py); other files in an existing
@@ -99,9 +100,11 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
         except BaseException:
             writer.abort()
             raise
-        if not one_file and meta.get("hf_config"):
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(meta["hf_config"], f, indent=2)
+        if not one_file:
+            for key, name in (("hf_config", "config.json"), ("hf_generation_config", "generation_config.json")):
+                if meta.get(key):
+                    with open(os.path.join(tmp, name), "w") as f:
+                        json.dump(meta[key], f, indent=2)
         size = os.path.getsize(tmp) if one_file else sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
             "bytes": size, "largest_parameter_bytes": largest}

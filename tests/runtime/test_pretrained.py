@@ -10,7 +10,7 @@ import torch
 from hf_models import config, deferred, files, save_model, token_batches
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import outcore
 from outcore.runtime.hf_model import hf_checkpointing
@@ -240,6 +240,34 @@ def test_a_lora_model_generates_as_peft_does(tmp_path):
         ours = engine.module.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         theirs = ref.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert ours.shape == (1, 13) and torch.equal(ours, theirs)
+    engine.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_stored_generation_config_is_the_models_and_the_export_keeps_it(tmp_path, lora):
+    """from_pretrained reads generation_config.json (end-of-sequence ids, sampling defaults) and
+    save_pretrained writes it; a model built from its config alone has only defaults."""
+    peft = pytest.importorskip("peft")
+    directory = save_model("llama", str(tmp_path / "m"))
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 5], max_new_tokens=6, do_sample=True, temperature=0.7,
+                     top_p=0.9).save_pretrained(directory)
+    ref = AutoModelForCausalLM.from_pretrained(directory).eval()
+    model = deferred(directory)
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0))
+    engine = outcore.Engine(model, nvme_config(tmp_path), weights=directory)
+    stored = {k: v for k, v in ref.generation_config.to_dict().items() if k != "transformers_version"}
+    ours = engine.module.get_base_model() if lora else engine.module
+    assert {k: v for k, v in ours.generation_config.to_dict().items() if k != "transformers_version"} == stored
+    engine.eval()
+    prompt = token_batches(1)[0][:1, :5]
+    with torch.no_grad():  # greedy, the rest (the length, the end-of-sequence ids) from the stored config
+        generated = engine.module.generate(input_ids=prompt, do_sample=False)
+        torch.testing.assert_close(generated, ref.generate(input_ids=prompt, do_sample=False), rtol=0, atol=0)
+    if not lora:
+        engine.export(str(tmp_path / "out"))
+        back = GenerationConfig.from_pretrained(str(tmp_path / "out"))
+        assert {k: v for k, v in back.to_dict().items() if k != "transformers_version"} == stored
     engine.close()
 
 

@@ -16,7 +16,7 @@ from hf_models import STORY, save_model, save_tokenizer, token_batches  # noqa: 
 from outcore.tools.cli import main  # noqa: E402
 
 peft = pytest.importorskip("peft")
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -84,6 +84,8 @@ def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_sa
 def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model_dir):
     text = tmp_path / "story.txt"
     text.write_text(STORY * 60)
+    stored = GenerationConfig(bos_token_id=1, eos_token_id=[1, 3], max_new_tokens=9, do_sample=True, top_k=20)
+    stored.save_pretrained(model_dir)
     assert main(train_args(tmp_path, model_dir, str(text), "--steps", "4", "--lr", "1e-3")) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     exported = s["exported"]
@@ -92,6 +94,8 @@ def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model
     offline = tmp_path / "offline"
     assert main(["export", str(tmp_path / "run" / "checkpoints"), str(offline), "--dtype", "fp32"]) == 0
     again = AutoModelForCausalLM.from_pretrained(str(offline)).eval()
+    for model in (ours, again):  # the model directory's generation settings, online and offline
+        assert model.generation_config.to_diff_dict() == stored.to_diff_dict()
     x = token_batches(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(again(x).logits, ours(x).logits)
