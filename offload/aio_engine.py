@@ -76,30 +76,32 @@ class AiofilesIOEngine:
         crc, error = 0, None
         async with self._slots:
             f = await self._checkout(file)
-            self.counters.begin()
             try:
-                await f.seek(offset)
-                if write:
-                    if checksum:
-                        crc = await self._loop.run_in_executor(None, block_checksum, view)
-                    done = 0
-                    while done < len(view):
-                        done += await f.write(view[done:])
-                else:
-                    done = 0
-                    while done < len(view):
-                        n = await f.readinto(view[done:])
-                        if not n:
-                            raise ShortIOError(f"file ends at {offset + done:,}, {len(view) - done:,} bytes short")
-                        done += n
-                    if checksum:
-                        crc = await self._loop.run_in_executor(None, block_checksum, view)
+                if write and checksum:
+                    crc = await self._loop.run_in_executor(None, block_checksum, view)
+                self.counters.begin()
+                try:
+                    await self._move(f, write, offset, view)
+                finally:
+                    self.counters.end(len(view), write)
+                if checksum and not write:
+                    crc = await self._loop.run_in_executor(None, block_checksum, view)
             except OSError as e:
                 error = e
             finally:
-                self.counters.end(len(view), write)
                 self._files[file.path].put_nowait(f)
         handle.block_done(index, crc, error)
+
+    @staticmethod
+    async def _move(f, write: bool, offset: int, view: memoryview) -> None:
+        await f.seek(offset)
+        done = 0
+        while done < len(view):
+            n = await (f.write(view[done:]) if write else f.readinto(view[done:]))
+            if not n:
+                raise ShortIOError(f"write at {offset + done:,} made no progress" if write else
+                                   f"file ends at {offset + done:,}, {len(view) - done:,} bytes short")
+            done += n
 
     async def _checkout(self, file: IOFile):
         idle = self._files.get(file.path)

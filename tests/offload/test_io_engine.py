@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from outcore.offload import Tier, io_engine
+from outcore.offload import Tier, aio_engine, io_engine
 from outcore.offload.aligned import aligned_array
 from outcore.offload.backends import make_engine
 from outcore.offload.buffers import HostBuffer
@@ -44,6 +44,29 @@ def test_write_then_read_round_trips_with_block_checksums(engine, tmp_path, nbyt
         bs = engine.config.block_size
         assert w.crcs == r.crcs == [block_checksum(src.array[i:i + bs]) for i in range(0, nbytes, bs)]
         assert engine.counters.bytes_read == nbytes and engine.counters.bytes_written == nbytes
+    finally:
+        f.close()
+
+
+def test_the_disk_busy_time_leaves_the_checksums_out(engine, tmp_path, monkeypatch):
+    """`io_busy_seconds` is the disk's time (a benchmark divides the bytes by it); a block's
+    checksum is CPU work beside the read or write call, so a slow one adds nothing to it."""
+    def slow_checksum(view):
+        time.sleep(0.5)
+        return block_checksum(view)
+
+    for module in (io_engine, aio_engine):
+        monkeypatch.setattr(module, "block_checksum", slow_checksum)
+    f = open_io_file(str(tmp_path / "f"), direct=True)
+    try:
+        buf = HostBuffer(4096)
+        buf.array[:] = 7
+        w = engine.write(f, 0, buf.array, checksum=True)
+        w.wait()
+        r = engine.read(f, 0, buf.array, checksum=True)
+        r.wait()
+        assert w.crcs == r.crcs == [block_checksum(buf.array)]
+        assert 0 < engine.counters.snapshot()["io_busy_seconds"] < 0.5  # two 4 KiB calls, two 0.5 s checksums
     finally:
         f.close()
 
