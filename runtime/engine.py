@@ -40,13 +40,7 @@ from outcore.runtime.config import Config
 from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import (
-    generation_settings,
-    hf_config,
-    hf_config_writer,
-    is_peft,
-    read_generation_config,
-)
+from outcore.runtime.hf_model import hf_config_writer, hf_settings, is_peft, read_generation_config
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.hyperparameters import check_lr
 from outcore.runtime.loss_scale import LossScaler
@@ -333,11 +327,8 @@ class Engine:
                                + (" (and their updates already ran)" if spent else "")
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
-        config = hf_config(self.model)
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict(),
-                    "hf_config": config.to_dict() if config is not None else None,  # type: ignore[attr-defined]
-                    "hf_generation_config": generation_settings(self.model)}
+                    "config": self.config.to_dict(), **hf_settings(self.model)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

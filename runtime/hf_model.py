@@ -79,12 +79,14 @@ def read_generation_config(model: nn.Module, directory: str) -> None:
         inner.generation_config = GenerationConfig.from_pretrained(directory)  # type: ignore[assignment]
 
 
-def generation_settings(model: nn.Module) -> dict | None:
-    """What generation_config.json holds for `model` (values that differ from the defaults), for a
-    checkpoint's meta.json, from which `outcore export` writes the file; None for a model that
-    does not generate."""
-    inner = wrapped_model(model)
-    return inner.generation_config.to_diff_dict() if _can_generate(inner) else None  # type: ignore[union-attr,operator]
+def hf_settings(model: nn.Module) -> dict[str, dict | None]:
+    """A checkpoint's record of the model's Hugging Face configs, from which `outcore export` writes
+    config.json and, for a model that generates, generation_config.json (values that differ from
+    the defaults, as save_pretrained writes it); None where the model has no such config."""
+    config, inner = hf_config(model), wrapped_model(model)
+    return {"hf_config": config.to_dict() if config is not None else None,  # type: ignore[attr-defined]
+            "hf_generation_config": inner.generation_config.to_diff_dict()  # type: ignore[union-attr,operator]
+            if _can_generate(inner) else None}
 
 
 def _can_generate(model: nn.Module) -> bool:
