@@ -76,7 +76,11 @@ def read_generation_config(model: nn.Module, directory: str) -> None:
     if _can_generate(inner) and os.path.isfile(os.path.join(directory, "generation_config.json")):
         from transformers import GenerationConfig
 
-        inner.generation_config = GenerationConfig.from_pretrained(directory)  # type: ignore[assignment]
+        try:
+            inner.generation_config = GenerationConfig.from_pretrained(directory)  # type: ignore[assignment]
+        except (OSError, ValueError) as e:  # transformers says which file and why
+            raise ValueError(f"weights {directory!r}: generation_config.json does not load ({e}); mend it, or "
+                             "remove it to generate with the defaults of the model's config.") from e
 
 
 def hf_settings(model: nn.Module) -> dict[str, dict | None]:

@@ -197,6 +197,7 @@ def test_lora_trains_only_the_adapters_as_peft_does_and_they_load_back(tmp_path)
     ("extra", "not in the model"),
     ("missing-shard", "missing"),
     ("not-safetensors", "not a readable safetensors"),
+    ("generation-config", "generation_config.json does not load"),
 ])
 def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage, message):
     directory = save_model("llama", str(tmp_path / "m"), max_shard_size="20KB")
@@ -212,6 +213,9 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
         state = load_file(os.path.join(save_model("llama", str(tmp_path / "one")), "model.safetensors"))
         save_file({**state, "model.extra.weight": torch.zeros(3)}, str(tmp_path / "extra.safetensors"))
         weights = str(tmp_path / "extra.safetensors")
+    elif damage == "generation-config":
+        with open(os.path.join(directory, "generation_config.json"), "w") as f:
+            f.write("{ not json")
     elif damage == "missing-shard":
         os.unlink(os.path.join(directory, sorted(f for f in files(directory) if f.endswith(".safetensors"))[0]))
     else:
