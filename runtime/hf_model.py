@@ -4,10 +4,13 @@ weights directory does not hold), and how peft initializes them."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -71,11 +74,17 @@ def hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
 def read_generation_config(model: nn.Module, directory: str) -> None:
     """As `from_pretrained` does: a model that generates takes the settings stored beside its
     weights (generation_config.json: end-of-sequence ids, sampling defaults), so that `generate()`
-    and an export keep them. A model built from its config alone has only defaults derived from it."""
+    and an export keep them. A model built from its config alone has only defaults derived from it;
+    one whose settings the caller changed keeps them."""
     inner = wrapped_model(model)
     if _can_generate(inner) and os.path.isfile(os.path.join(directory, "generation_config.json")):
         from transformers import GenerationConfig
 
+        own = inner.generation_config.to_diff_dict()  # type: ignore[union-attr,operator]
+        if own != GenerationConfig.from_model_config(inner.config).to_diff_dict():  # type: ignore[arg-type]
+            log.info("the model's generation_config was set before the engine: kept; %s/generation_config.json "
+                     "is not read", directory)
+            return
         try:
             inner.generation_config = GenerationConfig.from_pretrained(directory)  # type: ignore[assignment]
         except (OSError, ValueError) as e:  # transformers says which file and why

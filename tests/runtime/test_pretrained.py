@@ -275,6 +275,20 @@ def test_the_stored_generation_config_is_the_models_and_the_export_keeps_it(tmp_
     engine.close()
 
 
+def test_generation_settings_the_caller_made_are_kept(tmp_path, caplog):
+    directory = save_model("llama", str(tmp_path / "m"))
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 5], max_new_tokens=6).save_pretrained(directory)
+    model = deferred(directory)
+    model.generation_config.max_new_tokens = 3
+    with caplog.at_level("INFO", logger="outcore.runtime.hf_model"):
+        engine = outcore.Engine(model, nvme_config(tmp_path), weights=directory)
+    assert engine.module.generation_config.max_new_tokens == 3 and engine.module.generation_config.eos_token_id == 2
+    said = [r.message for r in caplog.records if "generation_config" in r.message]
+    assert said == [f"the model's generation_config was set before the engine: kept; "
+                    f"{directory}/generation_config.json is not read"]
+    engine.close()
+
+
 def test_the_base_model_called_on_its_own_trains_as_plain_adamw(tmp_path):
     """`model.model(...)` (LlamaModel, a child of the root holding the root's embedding and norm)
     with a loss of one's own: the child gathers the root unit itself (it raised ReleasedParameterError)."""
