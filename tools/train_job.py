@@ -93,7 +93,11 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     if data is None:
         raise ValueError("--model DIR fine-tunes on your text: give --data FILE.txt or FILE.jsonl.")
     config = source.config()
-    seq = seq or min(FINE_TUNE_SEQ, getattr(config, "max_position_embeddings", FINE_TUNE_SEQ))
+    positions = getattr(config, "max_position_embeddings", None)
+    seq = seq or min(FINE_TUNE_SEQ, positions or FINE_TUNE_SEQ)
+    if isinstance(positions, int) and seq > positions:  # learned positions would fail deep in the forward
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions {directory!r} has "
+                         f"(max_position_embeddings in its config.json); give --seq {positions} or less.")
     tokenizer = source.tokenizer()
     train_set, held_out = token_corpus(data, tokenizer, seq)
     with_lora = source.build()

@@ -123,6 +123,7 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("no-data", "--data"),
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
+    ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
 ])
 def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, damage, message):
     args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
@@ -141,9 +142,9 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     elif damage == "no-data":
         args.remove("--data")
         args.remove(jsonl)
+    elif damage == "seq-beyond-positions":
+        args[args.index("--seq") + 1] = "128"
     elif damage == "bad-jsonl":
-        with open(jsonl, "a") as f:
-            f.write("not json\n")
         with open(jsonl, "w") as f:
             f.write(json.dumps({"text": STORY}) + "\nnot json\n")
     else:
