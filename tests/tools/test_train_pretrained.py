@@ -124,17 +124,12 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
+    ("foreign-tokenizer", "but the model has 5 (vocab_size in its config.json)"),
 ])
 def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, damage, message):
     args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
     if damage == "no-config":
         os.unlink(os.path.join(model_dir, "config.json"))
-    elif damage == "unknown-model-type":  # transformers explains over several lines: the first is said
-        path = os.path.join(model_dir, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        with open(path, "w") as f:
-            json.dump({**cfg, "model_type": "no-such-architecture"}, f)
     elif damage == "no-tokenizer":
         for f in os.listdir(model_dir):
             if f.startswith("tokenizer") or f == "special_tokens_map.json":
@@ -142,6 +137,13 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     elif damage == "no-data":
         args.remove("--data")
         args.remove(jsonl)
+    elif damage in ("unknown-model-type", "foreign-tokenizer"):
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:  # an unknown model type: transformers explains over several lines
+            json.dump({**cfg, "model_type": "no-such-architecture"} if damage == "unknown-model-type"
+                      else {**cfg, "vocab_size": 5}, f)
     elif damage == "seq-beyond-positions":
         args[args.index("--seq") + 1] = "128"
     elif damage == "bad-jsonl":
