@@ -103,9 +103,9 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     vocab = getattr(config, "vocab_size", None)
     largest = int(torch.cat([train_set.tokens, held_out.tokens]).max())
     if isinstance(vocab, int) and largest >= vocab:  # the embedding would fail deep in the forward
-        raise ValueError(f"the tokenizer in {directory!r} gives token id {largest} on --data, but the model "
-                         f"has {vocab} (vocab_size in its config.json); the directory needs the model's own "
-                         "tokenizer.")
+        raise ValueError(f"the tokenizer in {directory!r} gives token id {largest} on --data, but the model's "
+                         f"vocabulary is {vocab} tokens (vocab_size in its config.json); the directory needs the "
+                         "model's own tokenizer.")
     with_lora = source.build()
     plans = plan_units(with_lora)
     params = sum(s.numel for p in plans for s in p.slots)

@@ -124,7 +124,7 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
-    ("foreign-tokenizer", "but the model has 5 (vocab_size in its config.json)"),
+    ("foreign-tokenizer", "but the model's vocabulary is 5 tokens (vocab_size in its config.json)"),
 ])
 def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, damage, message):
     args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
