@@ -23,6 +23,10 @@ FORMAT = 1
 LATEST = "latest"
 
 
+class NoCheckpointError(ValueError):
+    """The directory holds no complete checkpoint: nothing to resume from yet."""
+
+
 def is_tag(name: str) -> bool:
     return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
 
@@ -43,8 +47,8 @@ def find_checkpoint(directory: str, tag: str | None = None) -> str:
         return folder
     newest = _newest_complete(directory)
     if newest is None:
-        raise ValueError(f"no checkpoint in {directory!r}: no complete tag folder there; save one first, or "
-                         "point at the run that did.")
+        raise NoCheckpointError(f"no checkpoint in {directory!r}: no complete tag folder there; save one first, "
+                                "or point at the run that did.")
     why = f"names {named!r}, which is gone" if named is not None else "is missing"
     log.warning("%s %s; taking the newest complete checkpoint, %s", os.path.join(directory, LATEST), why, newest)
     return newest

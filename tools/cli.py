@@ -251,12 +251,16 @@ def _train(args: argparse.Namespace) -> int:
     if args.tag and not args.resume:
         raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
     if args.resume:
-        from outcore.runtime.checkpoint_folder import find_checkpoint
+        from outcore.runtime.checkpoint_folder import NoCheckpointError, find_checkpoint
 
+        checkpoints = os.path.join(args.out, "checkpoints")
         try:
-            find_checkpoint(os.path.join(args.out, "checkpoints"), args.tag)
+            find_checkpoint(checkpoints, args.tag)
+        except NoCheckpointError:
+            raise UsageError(f"--resume: no checkpoint in {checkpoints!r} yet; run without --resume first, or point "
+                             "--out at the earlier run.") from None
         except ValueError as e:
-            raise UsageError(f"--resume: {e} Run without --resume first, or point --out at the earlier run.") from None
+            raise UsageError(f"--resume: {e}") from None
     opts = TrainOptions(preset=args.preset, model=args.model, lora=args.lora, config=args.config, steps=args.steps,
                         data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
