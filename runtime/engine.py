@@ -249,8 +249,10 @@ class Engine:
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
                              "finish it with step() first.")
+        pages = ({self.config.offload_params, self.config.offload_optimizer} != {"none"}
+                 or self.config.host_budget is not None)
         saved = SavedActivations(self.store, self.place.work_tier, functools.partial(views_gathered_unit, self.units),
-                                 host_budget=self.store.stats()["host"]["budget"])
+                                 host_budget=self.store.stats()["host"]["budget"] if pages else None)
 
         def forward(index: int) -> torch.Tensor:
             output = call_model(self.model, micro_batches[index])

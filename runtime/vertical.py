@@ -134,12 +134,14 @@ class SavedActivations:
     _said_kept = False  # the log says once per process that a tensor was too large to page
 
     def __init__(self, store: TieredStore, work_tier: Tier, is_parameter: Callable[[torch.Tensor], bool], *,
-                 host_budget: int) -> None:
+                 host_budget: int | None) -> None:
         self.store, self.work_tier, self.is_parameter = store, work_tier, is_parameter
         # A key may take a quarter of HOST, so that room for it can always be made by paging older
         # ones out; a larger tensor stays in memory, outside the budgets, and the log says so once.
+        # None: nothing pages (an engine that offloads nothing and was given no HOST budget keeps
+        # its activations where they are, as plain accumulation does).
         self.host_budget = host_budget
-        self.largest = host_budget // 4
+        self.largest = host_budget // 4 if host_budget is not None else None
         self._serial = 0
         self._lock = threading.Lock()
         self.live: set[str] = set()
@@ -152,6 +154,9 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.nbytes < PAGED_BYTES or self.is_parameter(t) or t.layout is not torch.strided:
+            return t
+        if self.largest is None:
+            self.bytes_kept += t.nbytes
             return t
         if t.nbytes > self.largest:
             self.bytes_kept += t.nbytes

@@ -128,6 +128,22 @@ def test_parameters_are_read_once_per_optimizer_step(tmp_path, monkeypatch):
         e.close()
 
 
+@pytest.mark.parametrize("host_budget", [None, 1 << 20])
+def test_nothing_offloaded_pages_activations_only_with_a_host_budget(tmp_path, monkeypatch, caplog, host_budget):
+    """A resident engine given no HOST budget keeps train_batch's activations as plain accumulation
+    does, without a word; given one, it pages them within it."""
+    monkeypatch.setattr(vertical, "PAGED_BYTES", 1 << 12)
+    monkeypatch.setattr(vertical.SavedActivations, "_said_kept", False)
+    torch.manual_seed(0)
+    engine = outcore.Engine(TinyGPT(vocab=128), outcore.Config(stage=3, host_budget=host_budget))
+    with caplog.at_level("WARNING"):
+        engine.train_batch(batches(K, batch=2, vocab=128))
+    acts = engine.stats()["activations"]
+    assert (acts["bytes_paged"] > 0) == (host_budget is not None) and acts["bytes_kept"] + acts["bytes_paged"] > 0
+    assert not [r for r in caplog.records if "train_batch" in r.message]
+    engine.close()
+
+
 def test_a_unit_that_cannot_be_wrapped_is_named_and_nothing_changes(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     model[0].forward = model[0].forward  # an instance attribute, as some wrappers leave
