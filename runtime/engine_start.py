@@ -9,7 +9,6 @@ dropped), and only then wires its hooks.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,6 +19,7 @@ from torch import nn
 
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
+from outcore.offload.scratch_dir import prepare_directory
 from outcore.runtime.config import Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.hf_model import lora_init
@@ -53,8 +53,7 @@ def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: 
     plan = plan.placed(kept)
     if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
         assert c.nvme_dir is not None  # Config requires it with anything on NVMe
-        os.makedirs(c.nvme_dir, mode=0o700, exist_ok=True)
-        free = shutil.disk_usage(c.nvme_dir).free
+        free = shutil.disk_usage(prepare_directory(c.nvme_dir)).free
         if free < plan.nvme.total:
             raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
     # Optimizer states the host budget has room for rest there: runtime/memory_plan.py

@@ -1,5 +1,6 @@
 """The NVMe directory is the run's own: links planted in it are not followed, a loose mode is
-tightened, a second live run is refused by name, and a dead run's directory is taken over."""
+tightened, a file in its place is refused, a second live run is refused by name, and a dead run's
+directory is taken over."""
 
 import os
 import signal
@@ -62,6 +63,18 @@ def test_a_directory_open_to_others_is_tightened_to_0700(tmp_path, caplog):
     assert stat.S_IMODE(os.stat(nvme).st_mode) == 0o700
     assert any("tightened to 0700" in r.message for r in caplog.records)
     store.close()
+
+
+def test_an_engine_whose_nvme_dir_is_a_file_is_refused_and_the_file_kept(tmp_path):
+    import outcore
+    from outcore.tools.gpt import GPT, PRESETS
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    cfg = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(taken))
+    with pytest.raises(StorageError, match="notes.txt' exists and is not a directory; name a directory"):
+        outcore.Engine(GPT(PRESETS["tiny"]), cfg)
+    assert taken.read_text() == "mine"
 
 
 def test_a_second_live_run_on_the_directory_is_refused_naming_the_holder(tmp_path):
