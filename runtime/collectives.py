@@ -46,8 +46,15 @@ def rank_device(device: str | torch.device | None) -> torch.device:
     """The device given, else this rank's GPU (torchrun's LOCAL_RANK) where CUDA exists, else the CPU."""
     out = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if out.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "it sees no GPU"
+            raise ValueError(f"device={str(device)!r}, but {why}; pass device='cpu', or leave it None to take "
+                             "the GPU where there is one.")
         if out.index is None:
             out = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if out.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(out)!r}: this machine shows {torch.cuda.device_count()} GPU(s) "
+                             "(CUDA_VISIBLE_DEVICES included); name one of them, or launch one rank per GPU.")
         torch.cuda.set_device(out)  # NCCL and object collectives use the current device
     return out
 

@@ -5,9 +5,12 @@ import copy
 import json
 
 import pytest
+import torch
 
+import outcore
 from outcore.runtime.config import Config
 from outcore.tools.cli import main
+from outcore.tools.gpt import GPT, PRESETS
 
 
 @pytest.mark.parametrize("values, key", [
@@ -109,3 +112,17 @@ def test_train_honours_the_config_optimizer(tmp_path, monkeypatch):
     vals = [v for _, v in summary["val_losses"]]
     assert len(vals) == 3 and vals[0] == vals[1] == vals[2]
     assert summary["optimizer"]["lr"] == 0.0 and summary["optimizer"]["weight_decay"] == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_device_without_cuda_is_one_clear_error():
+    with pytest.raises(ValueError, match="device='cuda', but (this torch is a CPU-only build|it sees no GPU); pass "
+                                         "device='cpu'"):
+        outcore.Engine(GPT(PRESETS["tiny"]), Config(), device="cuda")
+
+
+@pytest.mark.cuda
+def test_a_gpu_index_past_the_machines_gpus_is_one_clear_error():
+    beyond = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"device '{beyond}': this machine shows {torch.cuda.device_count()} GPU"):
+        outcore.Engine(GPT(PRESETS["tiny"]), Config(), device=beyond)
