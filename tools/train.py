@@ -257,7 +257,7 @@ def _train(opts: TrainOptions, report) -> dict:
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
                f"batch {opts.batch} x {job.seq} {job.tokens}"
                + (f" on each of {engine.group.world} ranks, each its own rows" if engine.group.world > 1 else ""))
-        history, val_history = [], []
+        history, val_history, grad_norms = [], [], []
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
         accum = opts.accumulate or config.grad_accumulation
@@ -277,6 +277,7 @@ def _train(opts: TrainOptions, report) -> dict:
                         engine.backward(loss)
                         loss_sum += float(loss.detach())
                     result = engine.step()
+                grad_norms.append(result["grad_norm"])
                 evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
                 saving = save_every > 0 and (step + 1) % save_every == 0 and step + 1 != steps
                 if evaluating or saving:
@@ -331,6 +332,7 @@ def _train(opts: TrainOptions, report) -> dict:
         "dtype": config.dtype, "exported": exported,
         "offload_params": config.offload_params, "offload_optimizer": config.offload_optimizer,
         "steps": steps, "start_step": start, "losses": history, "val_losses": val_history,
+        "grad_norms": grad_norms,
         "seconds_per_step": totals["seconds"] / ran, "io_wait_seconds_per_step": totals["wait"] / ran,
         "optimizer_seconds_per_step": totals["opt"] / ran, "bytes_read_per_step": totals["read"] / ran,
         "bytes_written_per_step": totals["written"] / ran,

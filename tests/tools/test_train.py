@@ -117,6 +117,29 @@ def test_accumulate_runs_train_batch_with_the_losses_of_grad_accumulation(tmp_pa
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]
 
 
+def test_a_step_over_micro_batches_takes_their_mean_gradient(tmp_path, monkeypatch):
+    """As DeepSpeed's engine and the Hugging Face Trainer do (the engine divides by K, the command
+    line does not): K copies of one micro-batch make the step one copy makes, so clipping sees the
+    same norm for any K, through backward() and through train_batch alike."""
+    from outcore.tools import train_job
+
+    monkeypatch.chdir(tmp_path)
+    at = train_job.Data.at
+    monkeypatch.setattr(train_job.Data, "at", lambda self, index, shard=(0, 1): at(self, 0, shard))
+    common = dict(steps=2, batch=2, seq=32, eval_every=100, eval_batches=1, save_final=False)
+    runs = {}
+    for name, accumulate, config in (("one", None, {}), ("backward", None, {"grad_accumulation": 3}),
+                                     ("train_batch", 3, {})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"dtype": "fp32", "grad_clip": 0.5, **config}))
+        runs[name] = train(TrainOptions(config=f"{name}.json", accumulate=accumulate, **common), report=lambda _: None)
+    one = runs["one"]
+    assert all(n is not None and n > 0.5 for n in one["grad_norms"])  # clipping at work
+    for name in ("backward", "train_batch"):
+        for ours, ref in ((runs[name]["grad_norms"], one["grad_norms"]), (runs[name]["losses"], one["losses"])):
+            assert len(ours) == len(ref) == 2
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref, strict=True)), (name, ours, ref)
+
+
 def test_two_ranks_under_torchrun_train_on_their_own_rows_as_one_rank_on_both(tmp_path):
     """Each rank takes its rows of one global batch: 2 ranks of batch 2 train as 1 rank of batch 4
     (every rank had trained on the same rows before), rank 0 alone reports the mean loss, and their
