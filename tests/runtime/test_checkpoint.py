@@ -110,6 +110,14 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path
     again.close()
 
 
+def test_adapters_of_a_model_without_any_are_refused_and_nothing_written(tmp_path):
+    e = make(tmp_path, "a")
+    with pytest.raises(ValueError, match="this TinyGPT is not a peft model, so it has no adapters"):
+        e.export(str(tmp_path / "adapters"), adapters_only=True)
+    assert not (tmp_path / "adapters").exists()
+    e.close()
+
+
 def test_export_loads_into_a_plain_model_with_equal_logits(tmp_path):
     ours_model, plain = twins(TinyGPT)
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"))
