@@ -359,9 +359,6 @@ class Engine:
         config. `adapters_only`: a peft model's adapters, for `PeftModel.from_pretrained`."""
         path = os.fspath(path)
         if adapters_only:
-            if not is_peft(self.model):
-                raise ValueError(f"export({path!r}, adapters_only=True): this {type(self.model).__name__} is not a "
-                                 "peft model, so it has no adapters; export it whole (adapters_only=False).")
             export_adapters(self.sharded, path, self.model)
             return
         if is_peft(self.model) and not path.endswith(".safetensors"):

@@ -18,6 +18,7 @@ from torch import nn
 
 from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.hf_model import is_peft
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    if not is_peft(peft_model):
+        raise ValueError(f"export({directory!r}, adapters_only=True): this {type(peft_model).__name__} is not a "
+                         "peft model, so it has no adapters; export it whole (adapters_only=False).")
     if is_one_file(directory):
         raise ValueError(f"export {directory!r}, adapters_only=True: adapters are a directory (what "
                          "PeftModel.from_pretrained loads); name one without the .safetensors suffix.")
