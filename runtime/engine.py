@@ -361,9 +361,6 @@ class Engine:
         if adapters_only:
             export_adapters(self.sharded, path, self.model)
             return
-        if is_peft(self.model) and not path.endswith(".safetensors"):
-            raise ValueError("a LoRA model's directory export is its adapters: export(dir, adapters_only=True) "
-                             "writes what peft.PeftModel.from_pretrained loads on the base model.")
         export(self.sharded, path, max_shard_size=max_shard_size, save_config=hf_config_writer(self.model))
 
     def stats(self) -> dict[str, Any]:

@@ -50,9 +50,12 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
     `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
     config.json); written aside and moved into place, keeping other files of an existing directory
     (runtime/export_target.py). Rank 0 writes; every rank gathers."""
+    one_file = is_one_file(path)
+    if is_peft(sm.model) and not one_file:
+        raise ValueError("a LoRA model's directory export is its adapters: export(dir, adapters_only=True) "
+                         "writes what peft.PeftModel.from_pretrained loads on the base model.")
     check_export_path(path)
     sm.settle()
-    one_file = is_one_file(path)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     aliases: set[str] = set()  # tied names after the first: a Hugging Face directory stores them once
     for u in sm.units:
