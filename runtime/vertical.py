@@ -155,12 +155,9 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> Any:
         if t.nbytes < PAGED_BYTES or self.is_parameter(t) or t.layout is not torch.strided:
             return t
-        if self.largest is None:
+        if self.largest is None or t.nbytes > self.largest:
             self.bytes_kept += t.nbytes
-            return t
-        if t.nbytes > self.largest:
-            self.bytes_kept += t.nbytes
-            if not SavedActivations._said_kept:
+            if self.largest is not None and not SavedActivations._said_kept:
                 SavedActivations._said_kept = True
                 log.warning("train_batch: a saved activation of %s bytes is more than a quarter of the HOST budget "
                             "(%s bytes), so such tensors stay in memory outside the budgets instead of paging; set "

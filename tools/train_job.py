@@ -101,7 +101,7 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     tokenizer = source.tokenizer()
     train_set, held_out = token_corpus(data, tokenizer, seq)
     vocab = getattr(config, "vocab_size", None)
-    largest = int(torch.cat([train_set.tokens, held_out.tokens]).max())
+    largest = max(int(train_set.tokens.max()), int(held_out.tokens.max()))
     if isinstance(vocab, int) and largest >= vocab:  # the embedding would fail deep in the forward
         raise ValueError(f"the tokenizer in {directory!r} gives token id {largest} on --data, but the model's "
                          f"vocabulary is {vocab} tokens (vocab_size in its config.json); the directory needs the "
