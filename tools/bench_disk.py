@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -143,6 +144,10 @@ def bench_disk(directory: str, *, size: int, block_sizes: list[int], queue_depth
         raise ValueError(f"--dir {directory!r} cannot be created: {e.strerror}; name another.") from None
     if not os.access(directory, os.W_OK):
         raise ValueError(f"--dir {directory!r} is not writable; name another.")
+    free = shutil.disk_usage(directory).free
+    if size > free:  # checked first: a file that fills the disk hurts whatever else writes there
+        raise ValueError(f"--size {size:,} bytes does not fit in --dir {directory!r}, which has {free:,} bytes "
+                         "free; pass a smaller --size or free space there.")
     use_fio = use_fio and fio_available()
     path = os.path.join(directory, f"outcore-bench-{os.getpid()}.dat")
     settings = [Setting(b, direct, bs, qd, th) for b, bs, qd, th

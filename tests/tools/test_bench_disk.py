@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 
@@ -49,6 +50,14 @@ def test_a_dir_that_cannot_be_made_exits_2(tmp_path, capsys):
     assert "cannot be created: Not a directory" in capsys.readouterr().err
     assert main(["bench-disk", "--dir", str(tmp_path / "file"), "--size", "8M"]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_a_size_beyond_the_free_space_exits_2_before_writing(tmp_path, capsys):
+    size = shutil.disk_usage(tmp_path).free + (1 << 30)
+    assert main(["bench-disk", "--dir", str(tmp_path), "--size", str(size), "--no-fio"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--size {size:,} bytes does not fit" in err and "free" in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, message", [
