@@ -129,7 +129,7 @@ class Config:
             raise ValueError(f"config {path!r} does not parse: {e}") from e
         except Exception as e:
             if type(e).__module__.startswith("yaml"):
-                raise ValueError(f"config {path!r} does not parse: {e}") from e
+                raise ValueError(f"config {path!r} does not parse: {_yaml_problem(e)}") from e
             raise
         if not isinstance(data, dict):
             raise ValueError(f"config {path!r} must hold a mapping of settings.")
@@ -182,3 +182,12 @@ def _build(cls, data: dict[str, Any], what: str):
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"{what}: {e}") from e
+
+
+def _yaml_problem(error: Exception) -> str:
+    """PyYAML's message on one line: its own spans several (the context, then the line quoted
+    with a caret under the column)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem is None or mark is None:
+        return " ".join(str(error).split())
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"

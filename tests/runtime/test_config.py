@@ -68,6 +68,11 @@ def test_from_file_rejects_unknown_keys_and_bad_files(tmp_path):
         Config.from_file(p)
     with pytest.raises(ValueError, match="cannot read"):
         Config.from_file(tmp_path / "missing.json")
+    bad_yaml = tmp_path / "run.yaml"
+    bad_yaml.write_text("stage: 3\noffload_params: [nvme\n")
+    with pytest.raises(ValueError, match=r"does not parse: .*\(line 3, column 1\)$") as e:
+        Config.from_file(bad_yaml)
+    assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=".toml"):
         Config.from_file(tmp_path / "run.ini")
 
