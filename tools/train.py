@@ -188,7 +188,12 @@ def _run_directory(out: str) -> Iterator[None]:
     while not os.path.exists(path):
         made.append(path)
         path = os.path.dirname(path)
-    os.makedirs(out, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file; name a directory.")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be created: {e.strerror}; name another.") from None
     lock = DirectoryLock(out, int(os.environ.get("RANK", "0")), what="--out", prefix="run.")
     try:
         yield

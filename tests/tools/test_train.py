@@ -100,6 +100,16 @@ def test_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, mess
     assert message in err and "Traceback" not in err
 
 
+def test_an_out_that_cannot_be_a_directory_exits_2_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("kept")
+    assert main(["train", "--steps", "1", "--out", "notes.txt"]) == 2
+    assert "notes.txt' is a file; name a directory." in capsys.readouterr().err
+    assert main(["train", "--steps", "1", "--out", "notes.txt/run"]) == 2
+    assert "notes.txt/run' cannot be created: Not a directory" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "kept" and os.listdir(tmp_path) == ["notes.txt"]
+
+
 def test_accumulate_runs_train_batch_with_the_losses_of_grad_accumulation(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "accum.json").write_text(json.dumps({"grad_accumulation": 4, "dtype": "fp32", "grad_clip": None,
