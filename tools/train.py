@@ -188,9 +188,7 @@ def _run_directory(out: str) -> Iterator[None]:
     while not os.path.exists(path):
         made.append(path)
         path = os.path.dirname(path)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} is a file; name a directory.")
-    try:
+    try:  # the CLI checked that it can be written, but some folders (/proc) say so and then refuse
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {out!r} cannot be created: {e.strerror}; name another.") from None
