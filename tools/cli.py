@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
     t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
-    t.add_argument("--config", help="a runtime.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
+    t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (default 300 for tiny, else 1000)")
-    t.add_argument("--data", help="a UTF-8 text file, or with --model a .jsonl of {\"text\": ...} rows "
+    t.add_argument("--data", help="a UTF-8 text file, or a .jsonl of {\"text\": ...} rows "
                    "(default: the Python standard library's sources)")
     t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
     t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(run=_export)
 
     u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
-    u.add_argument("--config", required=True, help="the starting runtime.Config file (its budgets are the limits)")
+    u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
     u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
     u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up step")
     u.add_argument("--batch", type=positive_int, default=1)

@@ -3,12 +3,15 @@
 The default corpus is the Python standard library's own source files on this machine (no
 download); `--data PATH` is any UTF-8 text file. Each is split into a training part and a
 held-out part, and batches are windows read with `os.pread` at random offsets: the loader holds
-the segment list and the batch it is building, never the text.
+the segment list and the batch it is building, never the text. A `.jsonl` file is the exception:
+its rows' "text" strings are escaped inside the file, so they are read once and held, joined by
+blank lines (as `outcore train --model` holds its token ids).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -72,6 +75,17 @@ class ByteCorpus:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+class TextCorpus(ByteCorpus):
+    """Bytes held in memory, read as `ByteCorpus` reads its files."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        super().__init__([], name)
+        self.data, self.nbytes = data, len(data)
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.data[offset : offset + n]
+
+
 def window_starts(positions: int, batch: int, generator: torch.Generator, shard: tuple[int, int]) -> list[int]:
     """Where rank r's `batch` windows start, `shard` = (r, world): its rows of one global batch of
     world x batch windows drawn from `generator`, so that every rank trains on different data and
@@ -109,7 +123,12 @@ def stdlib_corpus(root: str | None = None) -> tuple[ByteCorpus, ByteCorpus]:
 
 
 def file_corpus(path: str) -> tuple[ByteCorpus, ByteCorpus]:
-    """(train, held-out) from one UTF-8 text file; its last 5% is held out."""
+    """(train, held-out) from one UTF-8 text file, or a JSONL file's texts; the last 5% is held out."""
+    if path.endswith(".jsonl"):
+        data = "\n\n".join(documents(path)).encode()
+        held = max(1, int(len(data) * HELD_OUT_FRACTION))
+        return (TextCorpus(data[:-held], f"the texts of {path!r} (training part)"),
+                TextCorpus(data[-held:], f"the texts of {path!r} (held-out part)"))
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -124,3 +143,28 @@ def file_corpus(path: str) -> tuple[ByteCorpus, ByteCorpus]:
     held = max(1, int(size * HELD_OUT_FRACTION))
     return (ByteCorpus([Segment(path, 0, size - held)], f"{path!r} (training part)"),
             ByteCorpus([Segment(path, size - held, held)], f"{path!r} (held-out part)"))
+
+
+def documents(path: str) -> list[str]:
+    """The texts of `path`: JSONL rows' "text", or the whole file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if not path.endswith(".jsonl"):
+                return [f.read()]
+            rows = []
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--data {path!r} line {n} is not JSON ({e.msg}).") from e
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise ValueError(f"--data {path!r} line {n} has no \"text\" string; JSONL rows look like "
+                                     '{"text": "..."}.')
+                rows.append(row["text"])
+            return rows
+    except OSError as e:
+        raise ValueError(f"--data {path!r} cannot be read ({e.strerror}).") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason}).") from e

@@ -6,11 +6,9 @@ stream at seeded random offsets, so a run and its resumption see the same ones."
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from outcore.tools.corpus import window_starts
+from outcore.tools.corpus import documents, window_starts
 
 
 class TokenCorpus:
@@ -25,31 +23,6 @@ class TokenCorpus:
                              "give more text or a smaller --seq.")
         starts = window_starts(len(self.tokens) - seq, batch, generator, shard)
         return torch.stack([self.tokens[s : s + seq] for s in starts]).long()
-
-
-def documents(path: str) -> list[str]:
-    """The texts of `path`: JSONL rows' "text", or the whole file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if not path.endswith(".jsonl"):
-                return [f.read()]
-            rows = []
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--data {path!r} line {n} is not JSON ({e.msg}).") from e
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ValueError(f"--data {path!r} line {n} has no \"text\" string; JSONL rows look like "
-                                     '{"text": "..."}.')
-                rows.append(row["text"])
-            return rows
-    except OSError as e:
-        raise ValueError(f"--data {path!r} cannot be read ({e.strerror}).") from e
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason}).") from e
 
 
 def token_corpus(path: str, tokenizer, seq: int) -> tuple[TokenCorpus, TokenCorpus]:

@@ -1,5 +1,6 @@
 """The byte corpus: windows read from disk match the concatenated text; splits are disjoint."""
 
+import json
 import os
 
 import pytest
@@ -60,3 +61,18 @@ def test_bad_data_files_are_refused_by_name(tmp_path):
     train, _ = file_corpus(str(short))
     with pytest.raises(ValueError, match="shorter --seq"):
         train.batch(2, 64, batch_generator(0, 0, "train"))
+
+
+def test_a_jsonl_file_trains_on_its_rows_texts_not_its_json(tmp_path):
+    rows = [f"document {i}: " + "the lazy dog sleeps. " * 20 for i in range(40)]
+    p = tmp_path / "docs.jsonl"
+    p.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(rows)))
+    train, held = file_corpus(str(p))
+    joined = "\n\n".join(rows).encode()
+    assert train.read(0, train.nbytes) + held.read(0, held.nbytes) == joined
+    x, y = train.batch(8, 64, batch_generator(0, 0, "train"))
+    for row in torch.cat([x, y[:, -1:]], 1).tolist():
+        assert bytes(row) in joined and b'"text"' not in bytes(row)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"line 2 has no \"text\" string"):
+        file_corpus(str(tmp_path / "bad.jsonl"))
