@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(run=_bench_disk)
 
     t = sub.add_parser("train", help="train a GPT on a text file or the built-in stdlib corpus")
-    t.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
+    t.add_argument("--preset", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
     t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
@@ -248,6 +248,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.nvme_dir:
         _writable(args.nvme_dir, "--nvme-dir", folder=True)
 
+    if args.preset and args.model:
+        raise UsageError(f"--preset {args.preset} and --model {args.model} each name the model to train: give one.")
     if args.tag and not args.resume:
         raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
     if args.resume:
@@ -261,8 +263,8 @@ def _train(args: argparse.Namespace) -> int:
                              "--out at the earlier run.") from None
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
-    opts = TrainOptions(preset=args.preset, model=args.model, lora=args.lora, config=args.config, steps=args.steps,
-                        data=args.data, out=args.out,
+    opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora, config=args.config,
+                        steps=args.steps, data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
                         lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,

@@ -87,6 +87,7 @@ def test_learning_rate_warms_up_then_decays():
     (["--preset", "gpt-9t"], "gpt-9t"),
     (["--resume"], "no checkpoint"),
     (["--data", "missing.txt"], "missing.txt"),
+    (["--preset", "tiny", "--model", "llama"], "each name the model to train: give one"),
     (["--offload-params", "nvme", "--stage-typo"], "unrecognized"),
 ])
 def test_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, message):
