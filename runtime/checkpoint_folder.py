@@ -47,6 +47,10 @@ def find_checkpoint(directory: str, tag: str | None = None) -> str:
         return folder
     newest = _newest_complete(directory)
     if newest is None:
+        inner = os.path.join(directory, "checkpoints")  # where `outcore train` saves under its --out
+        if _newest_complete(inner) is not None:
+            raise NoCheckpointError(f"no checkpoint in {directory!r}, which looks like an `outcore train` --out: "
+                                    f"its checkpoints are in {inner!r}; point there.")
         raise NoCheckpointError(f"no checkpoint in {directory!r}: no complete tag folder there; save one first, "
                                 "or point at the run that did.")
     why = f"names {named!r}, which is gone" if named is not None else "is missing"

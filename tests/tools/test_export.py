@@ -90,6 +90,18 @@ def test_damaged_or_missing_checkpoints_are_refused_and_nothing_is_written(tmp_p
     assert not out.exists() and not os.path.exists(str(out) + ".tmp")
 
 
+def test_a_train_run_directory_is_refused_naming_its_checkpoints_folder(tmp_path, capsys):
+    engine, _ = _trained_engine(tmp_path)
+    try:
+        engine.save_checkpoint(str(tmp_path / "run" / "checkpoints"), "step3")
+    finally:
+        engine.close()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"its checkpoints are in {str(tmp_path / 'run' / 'checkpoints')!r}; point there." in err
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_an_export_into_a_directory_keeps_its_other_files_and_drops_stale_shards(tmp_path, capsys):
     """As `save_pretrained` does: a run directory holding the checkpoint itself and a tokenizer keeps
     both, and a second export with fewer shards leaves none of the first's behind."""
