@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
     u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
-    u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory")
+    u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model "
+                   "directory (its weights; random token ids) or module:factory")
     u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up step")
     u.add_argument("--batch", type=positive_int, default=1)
     u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")

@@ -25,6 +25,7 @@ class ModelSource:
     build: Callable[[], nn.Module]  # call under deferred_init()
     gpt: GPTConfig | None  # set for presets
     init_fn: Callable[[nn.Module], None] | None
+    weights: str | None = None  # a Hugging Face directory: the Engine's `weights=`
 
 
 def resolve_model(spec: str, *, seq: int | None = None, causal_only: bool = True) -> ModelSource:
@@ -32,7 +33,7 @@ def resolve_model(spec: str, *, seq: int | None = None, causal_only: bool = True
     naming the choices otherwise. `causal_only`: a directory must hold a causal LM (`HFModel`)."""
     if is_hf_directory(spec):
         hf = HFModel(spec, causal_only=causal_only)
-        return ModelSource(spec, hf.build, None, None)
+        return ModelSource(spec, hf.build, None, None, weights=spec)
     if spec in PRESETS:
         cfg = PRESETS[spec] if seq is None else dataclasses.replace(PRESETS[spec], seq=seq)
         return ModelSource(spec, lambda: GPT(cfg), cfg, init_fn(cfg))

@@ -8,8 +8,10 @@ queue_depth, then threads, then the background threads' priority (`io.nice`), th
 when compute is the bottleneck, and loses when the optimizer's stream through NVMe is.
 Budgets never go above the ones the config allows. The winner is written with `Config.to_file`.
 
-Models: a GPT preset, or `module:factory` whose model takes a (batch, seq) tensor of token ids
-below 256 and returns either the loss (a scalar) or logits (then cross-entropy on the next token).
+Models: a GPT preset; a Hugging Face causal LM's directory, its weights loaded as `outcore train
+--model` loads them and fed random token ids below its vocabulary size; or `module:factory` whose
+model takes a (batch, seq) tensor of token ids below 256 and returns either the loss (a scalar) or
+logits (then cross-entropy on the next token).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from outcore import runtime
+from outcore.tools.hf_source import HFModel
 from outcore.tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
@@ -51,20 +54,29 @@ def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, 
     from outcore.tools.report import peak_rss
 
     source = resolve_model(model_spec, seq=seq)
-    seq = seq or (source.gpt.seq if source.gpt else 128)
+    vocab = 256
+    if source.gpt is not None:
+        seq = seq or source.gpt.seq
+    elif source.weights is not None:
+        vocab, seq = _hf_shape(source.weights, seq)
+    else:
+        seq = seq or 128
     with runtime.deferred_init():
         model = source.build()
-    engine = runtime.Engine(model, config, init_fn=source.init_fn)
+    engine = runtime.Engine(model, config, init_fn=source.init_fn, weights=source.weights)
     try:
         gen = torch.Generator().manual_seed(0)
         times, waits = [], []
         before = engine.stats()
         first = dict(before)
         for step in range(steps + 1):
-            x = torch.randint(0, 256, (batch, seq + 1), generator=gen).to(engine.device)
+            x = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(engine.device)
             t0 = time.perf_counter()
-            out = engine(x[:, :-1], x[:, 1:]) if source.gpt else engine(x[:, :-1])
-            loss = out if out.dim() == 0 else F.cross_entropy(out.flatten(0, -2).float(), x[:, 1:].flatten())
+            if source.weights is not None:  # a causal LM shifts its labels itself
+                loss = engine(input_ids=x[:, :-1], labels=x[:, :-1], use_cache=False).loss
+            else:
+                out = engine(x[:, :-1], x[:, 1:]) if source.gpt else engine(x[:, :-1])
+                loss = out if out.dim() == 0 else F.cross_entropy(out.flatten(0, -2).float(), x[:, 1:].flatten())
             engine.backward(loss)
             engine.step()
             now = engine.stats()
@@ -80,6 +92,17 @@ def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, 
                 "peak_rss_bytes": peak_rss(), "loss": float(loss.detach())}
     finally:
         engine.close()
+
+
+def _hf_shape(directory: str, seq: int | None) -> tuple[int, int]:
+    """The vocabulary size of the model in `directory`, and the sequence length to measure it at
+    (128, or its positions if fewer)."""
+    config = HFModel(directory).config()
+    positions = getattr(config, "max_position_embeddings", None)
+    if seq is not None and isinstance(positions, int) and seq > positions:
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions {directory!r} has; give --seq "
+                         f"{positions} or less.")
+    return int(config.vocab_size), seq or min(128, positions or 128)
 
 
 def run_candidate(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None,

@@ -2,11 +2,17 @@
 
 import dataclasses
 import json
+import math
+import os
+import sys
 
 import outcore
 from outcore.tools.cli import main
 from outcore.tools.train import TrainOptions, train
 from outcore.tools.tune import tune
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
+from hf_models import VOCAB, save_model  # noqa: E402
 
 
 def test_tune_writes_the_fastest_config_which_loads_and_trains(tmp_path, monkeypatch, capsys):
@@ -54,3 +60,16 @@ def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path):
         assert "host_budget" in str(e)
     else:
         raise AssertionError("tune accepted a config that cannot run")
+
+
+def test_a_hugging_face_directory_is_tuned_with_its_own_weights_and_vocabulary(tmp_path):
+    directory = save_model("llama", str(tmp_path / "llama"))  # no init of its own: it runs only from its weights
+    base = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+                          grad_clip=None)
+    same = {"prefetch_depth": [2], "block_size": [base.io.block_size], "queue_depth": [base.io.queue_depth],
+            "threads": [base.io.threads], "nice": [base.io.nice]}
+    best, tried = tune(base, directory, steps=1, batch=2, sweep=same)
+    assert len(tried) == 1 and tried[0].ok, tried[0].result
+    assert best.to_dict() == base.to_dict()
+    assert abs(tried[0].result["loss"] - math.log(VOCAB)) < 0.5  # token ids below its vocabulary of 96
+    assert tried[0].result["bytes_read_per_step"] > 0
