@@ -399,8 +399,11 @@ def _tune(args: argparse.Namespace) -> int:
             print(f"  {c.label}: failed: {r['error']}", flush=True)
 
     print(f"tuning {args.model} from {args.config}: {args.steps} timed steps per candidate", flush=True)
-    best, tried = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
-                       max_rss=args.max_rss, timeout=args.timeout, on_result=show)
+    try:
+        best, tried = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
+                           max_rss=args.max_rss, timeout=args.timeout, on_result=show)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     rows = []
     for c in sorted(tried, key=lambda c: c.result.get("step_seconds", float("inf"))):
         r, io = c.result, c.config.io

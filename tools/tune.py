@@ -169,8 +169,9 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
         return tried[key]
 
     best = run(base, "the config as given")
-    if not best.ok:
-        raise RuntimeError(f"the config as given does not run: {best.result['error']}")
+    if not best.ok:  # refused up front (a ValueError) is the config's fault; anything else, the run's
+        failure = ValueError if best.result.get("refused") else RuntimeError
+        raise failure(f"the config as given does not run: {best.result['error']}")
     phases = [("prefetch_depth", sweep["prefetch_depth"])]
     if uses_nvme:
         phases += [("io", [(b, q) for b in sweep["block_size"] for q in sweep["queue_depth"]]),
@@ -203,8 +204,11 @@ def _better(a: Candidate, b: Candidate) -> bool:
 
 def _worker(argv: list[str]) -> None:
     cfg_path, model_spec, steps, batch, seq, out_path = argv
-    result = measure(runtime.Config.from_file(cfg_path), model_spec, steps=int(steps), batch=int(batch),
-                     seq=int(seq) or None)
+    try:
+        result = measure(runtime.Config.from_file(cfg_path), model_spec, steps=int(steps), batch=int(batch),
+                         seq=int(seq) or None)
+    except ValueError as e:  # the engine refused the config or the model before running it
+        result = {"error": f"ValueError: {e}", "refused": True}
     with open(out_path, "w") as f:
         json.dump(result, f)
 
