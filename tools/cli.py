@@ -373,19 +373,36 @@ def _export(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     from outcore import runtime
-    from outcore.tools.report import table, write_json
-    from outcore.tools.tune import tune
+    from outcore.tools.model_source import resolve_model
+    from outcore.tools.train import scratch_nvme_dir
 
     _writable(args.out, "--out", folder=False)  # checked before a sweep that may take hours
     if args.json:
         _writable(args.json, "--json", folder=False)
     try:
-        base = runtime.Config.from_file(args.config)
-        from outcore.tools.model_source import resolve_model
-
-        resolve_model(args.model)  # a wrong name fails here, before any candidate runs
+        values = runtime.Config.file_values(args.config)
+        scratch = scratch_nvme_dir(values)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        try:
+            base = runtime.Config.from_dict(values)
+            resolve_model(args.model)  # a wrong name fails here, before any candidate runs
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if scratch is not None:
+            print(f"NVMe tier in {scratch.path} for the candidates (removed at the end; the written config names "
+                  "no nvme_dir, as the given one did)", flush=True)
+        return _sweep(args, base, keep_nvme_dir=scratch is None)
+    finally:
+        if scratch is not None:
+            scratch.remove()
+
+
+def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
+    from outcore.tools.report import table, write_json
+    from outcore.tools.tune import tune
+
     sweep = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("block_size", args.block_size),
                                ("queue_depth", args.queue_depth), ("threads", args.threads),
                                ("nice", args.nice)) if v}
@@ -414,10 +431,10 @@ def _tune(args: argparse.Namespace) -> int:
                      f"{r['io_wait_seconds']:.3f}" if c.ok else "-",
                      human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
     table(["prefetch", "block", "qd", "threads", "nice", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    best.to_file(args.out)
+    written = best.to_dict() if keep_nvme_dir else {**best.to_dict(), "nvme_dir": None}
+    write_json(args.out, written)  # as Config.to_file writes it
     print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
-    write_json(args.json, {"best": best.to_dict(), "candidates": [
+    write_json(args.json, {"best": written, "candidates": [
         {"label": c.label, "config": c.config.to_dict(), **c.result} for c in tried]})
     return EXIT_OK
 

@@ -127,10 +127,8 @@ def build_config(opts: TrainOptions, units: list[int],
             values.update(offload_params=params, offload_optimizer=opt)
             notes.append(f"offload params={params} optimizer={opt}: {why}")
     values.update(opts.overrides)
-    owned = None
-    if values.get("nvme_dir") is None and "nvme" in (values.get("offload_params"), values.get("offload_optimizer")):
-        owned = OwnedDir(".outcore-nvme-", os.getcwd())  # a killed run's one is reclaimed here
-        values["nvme_dir"] = owned.path
+    owned = scratch_nvme_dir(values)
+    if owned is not None:
         notes.append(f"NVMe tier in {owned.path} (removed at the end; --nvme-dir to choose)")
     try:
         config = runtime.Config.from_dict(values)
@@ -142,6 +140,17 @@ def build_config(opts: TrainOptions, units: list[int],
         if owned is not None:
             owned.remove()
         raise
+
+
+def scratch_nvme_dir(values: dict) -> OwnedDir | None:
+    """Config values that put something on NVMe but name no nvme_dir get a scratch folder under the
+    working directory (set as their nvme_dir); the caller removes it when the run ends."""
+    if values.get("nvme_dir") is not None or "nvme" not in (values.get("offload_params"),
+                                                             values.get("offload_optimizer")):
+        return None
+    owned = OwnedDir(".outcore-nvme-", os.getcwd())  # a killed run's one is reclaimed here
+    values["nvme_dir"] = owned.path
+    return owned
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:

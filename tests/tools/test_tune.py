@@ -76,3 +76,20 @@ def test_a_hugging_face_directory_is_tuned_with_its_own_weights_and_vocabulary(t
     assert best.to_dict() == base.to_dict()
     assert abs(tried[0].result["loss"] - math.log(VOCAB)) < 0.5  # token ids below its vocabulary of 96
     assert tried[0].result["bytes_read_per_step"] > 0
+
+
+def test_a_config_without_nvme_dir_is_tuned_in_a_scratch_folder_and_written_without_one(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"offload_params": "nvme", "offload_optimizer": "nvme"}))
+    one = ["--prefetch-depth", "2", "--block-size", "1M", "--queue-depth", "32", "--threads", "4", "--nice", "15"]
+    assert main(["tune", "--config", "run.json", "--steps", "1", "--seq", "32", *one, "--out", "tuned.json",
+                 "--json", "tune.json"]) == 0
+    assert "NVMe tier in" in capsys.readouterr().out
+    written = json.loads((tmp_path / "tuned.json").read_text())
+    (candidate,) = json.loads((tmp_path / "tune.json").read_text())["candidates"]
+    assert written["nvme_dir"] is None and candidate["config"]["nvme_dir"] is not None
+    assert candidate["bytes_read_per_step"] > 0  # it ran on NVMe, in the scratch folder
+    assert sorted(os.listdir(tmp_path)) == ["run.json", "tune.json", "tuned.json"]  # and that is gone
+    s = train(TrainOptions(config="tuned.json", steps=2, batch=2, seq=32, save_final=False), report=lambda _: None)
+    assert s["offload_params"] == "nvme" and len(s["losses"]) == 2
