@@ -79,11 +79,14 @@ class HFModel:
 
     def _lora(self, targets: str | list[str], model: nn.Module) -> Any:
         import peft
+        from transformers.pytorch_utils import Conv1D
 
         rank = self.lora_rank or 1
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        # GPT-2's projections are Conv1D, their weights stored transposed: peft would set this itself, warning
+        transposed = any(isinstance(m, Conv1D) for m in model.modules())
         return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
-                               task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
+                               fan_in_fan_out=transposed, task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
 
     def _base(self) -> nn.Module:
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM

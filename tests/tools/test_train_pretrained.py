@@ -81,6 +81,16 @@ def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_sa
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), adapters)
 
 
+def test_lora_on_gpt2_conv1d_is_configured_for_its_transposed_weights_without_a_warning(tmp_path, recwarn):
+    from outcore.tools.hf_source import HFModel
+
+    model = HFModel(save_model("gpt2", str(tmp_path / "gpt2")), lora_rank=2).build()
+    assert model.peft_config["default"].fan_in_fan_out
+    assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]
+    assert HFModel(save_model("llama", str(tmp_path / "llama")), lora_rank=2).build().peft_config[
+        "default"].fan_in_fan_out is False
+
+
 def test_a_full_fine_tune_exports_a_directory_transformers_loads(tmp_path, model_dir):
     text = tmp_path / "story.txt"
     text.write_text(STORY * 60)
