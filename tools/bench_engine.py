@@ -206,13 +206,15 @@ def _child(args: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from outcore.tools.gpt import PRESETS
+
     p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_engine")
     sub = p.add_subparsers(dest="what", required=True)
     o = sub.add_parser("optimizer")
     o.add_argument("--params", type=parse_size, default=100_000_000)
     o.add_argument("--repeats", type=int, default=5)
     s = sub.add_parser("step")
-    s.add_argument("--preset", default="bench-134m")
+    s.add_argument("--preset", default="bench-134m", choices=sorted(PRESETS))
     s.add_argument("--batch", type=int, default=2)
     # Eight: plain PyTorch's steps keep falling through the first four or so (glibc's heap grows to
     # fit them), and a median over those would flatter the engine against it.

@@ -104,13 +104,15 @@ def _child(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from outcore.tools.gpt import PRESETS
+
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["_run"]:
         print(json.dumps(run_kind(**json.loads(argv[1]))))
         return 0
     p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="bench-134m")
+    p.add_argument("--preset", default="bench-134m", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)

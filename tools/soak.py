@@ -14,16 +14,17 @@ that grows with the number of steps shows as a steady rise; flat is within a few
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
-import tempfile
 import time
 
 import psutil
 import torch
 
 from outcore import runtime
+from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.materialize import deferred_init
+from outcore.tools.gpt import PRESETS, GPTConfig
 from outcore.tools.model_source import resolve_model
 from outcore.tools.report import peak_rss, write_json
 from outcore.tools.units import human_bytes, parse_size, positive_int
@@ -57,13 +58,24 @@ def soak(*, steps: int, preset: str, seq: int, batch: int, offload: str, host_bu
          nvme_dir: str | None, report=print) -> dict:
     source = resolve_model(preset, seq=seq)
     assert source.gpt is not None
-    folder = nvme_dir or tempfile.mkdtemp(prefix=".outcore-soak-", dir=os.getcwd())
-    config = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload,
-                            nvme_dir=folder if offload == "nvme" else None, host_budget=host_budget,
-                            dtype="fp32")
-    with deferred_init():
-        model = source.build()
-    engine = runtime.Engine(model, config, runtime.AdamW(lr=1e-4), init_fn=source.init_fn)
+    with contextlib.ExitStack() as cleanup:
+        if offload == "nvme" and nvme_dir is None:  # removed however the run ends, the engine's start included
+            scratch = OwnedDir(".outcore-soak-", os.getcwd())
+            cleanup.callback(scratch.remove)
+            nvme_dir = scratch.path
+        config = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload,
+                                nvme_dir=nvme_dir if offload == "nvme" else None, host_budget=host_budget,
+                                dtype="fp32")
+        with deferred_init():
+            model = source.build()
+        engine = runtime.Engine(model, config, runtime.AdamW(lr=1e-4), init_fn=source.init_fn)
+        cleanup.callback(engine.close)
+        return _run(engine, source.gpt, steps=steps, seq=seq, batch=batch, samples=samples, report=report,
+                    facts={"preset": preset, "offload": offload, "host_budget": host_budget})
+
+
+def _run(engine: runtime.Engine, gpt: GPTConfig, *, steps: int, seq: int, batch: int, samples: int, report,
+         facts: dict) -> dict:
     proc = psutil.Process()
     every = max(1, steps // samples)
     at: list[int] = []
@@ -72,29 +84,24 @@ def soak(*, steps: int, preset: str, seq: int, batch: int, offload: str, host_bu
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     before = engine.stats()
-    try:
-        for step in range(1, steps + 1):
-            x = torch.randint(0, source.gpt.vocab, (batch, seq), generator=gen)
-            engine.backward(engine(x, x))
-            engine.step()
-            if step % every == 0 or step == steps:
-                engine.synchronize()
-                stats = engine.stats()
-                at.append(step)
-                rss.append(proc.memory_info().rss)
-                swap.append(stats["nvme"]["file_bytes"])
-                if len(at) % max(1, samples // 10) == 0:
-                    report(f"step {step}/{steps}: RSS {human_bytes(rss[-1])}, swap file {human_bytes(swap[-1])}, "
-                           f"{(time.perf_counter() - t0) / step * 1e3:.1f} ms/step, "
-                           f"writes pending {stats['writes_pending']}")
-        seconds = time.perf_counter() - t0
-        io = {k: (engine.stats()[k] - before[k]) / steps for k in ("bytes_read", "bytes_written")}
-    finally:
-        engine.close()
-        if nvme_dir is None:
-            shutil.rmtree(folder, ignore_errors=True)
-    result = {"steps": steps, "preset": preset, "seq": seq, "batch": batch, "offload": offload,
-              "host_budget": host_budget, "seconds": seconds, "samples": {"step": at, "rss": rss, "swap": swap},
+    for step in range(1, steps + 1):
+        x = torch.randint(0, gpt.vocab, (batch, seq), generator=gen)
+        engine.backward(engine(x, x))
+        engine.step()
+        if step % every == 0 or step == steps:
+            engine.synchronize()
+            stats = engine.stats()
+            at.append(step)
+            rss.append(proc.memory_info().rss)
+            swap.append(stats["nvme"]["file_bytes"])
+            if len(at) % max(1, samples // 10) == 0:
+                report(f"step {step}/{steps}: RSS {human_bytes(rss[-1])}, swap file {human_bytes(swap[-1])}, "
+                       f"{(time.perf_counter() - t0) / step * 1e3:.1f} ms/step, "
+                       f"writes pending {stats['writes_pending']}")
+    seconds = time.perf_counter() - t0
+    io = {k: (engine.stats()[k] - before[k]) / steps for k in ("bytes_read", "bytes_written")}
+    result = {"steps": steps, **facts, "seq": seq, "batch": batch, "seconds": seconds,
+              "samples": {"step": at, "rss": rss, "swap": swap},
               "rss": trend(at, rss), "swap": trend(at, swap), "peak_rss_bytes": peak_rss(),
               **{f"{k}_per_step": v for k, v in io.items()}}
     r, s = result["rss"], result["swap"]
@@ -111,7 +118,7 @@ def soak(*, steps: int, preset: str, seq: int, batch: int, offload: str, host_bu
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m outcore.tools.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=positive_int, default=10000)
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seq", type=positive_int, default=32)
     p.add_argument("--batch", type=positive_int, default=2)
     p.add_argument("--offload", choices=("nvme", "cpu", "none"), default="nvme")
@@ -120,8 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nvme-dir")
     p.add_argument("--json")
     a = p.parse_args(argv)
-    res = soak(steps=a.steps, preset=a.preset, seq=a.seq, batch=a.batch, offload=a.offload,
-               host_budget=a.host_budget, samples=a.samples, nvme_dir=a.nvme_dir)
+    try:
+        res = soak(steps=a.steps, preset=a.preset, seq=a.seq, batch=a.batch, offload=a.offload,
+                   host_budget=a.host_budget, samples=a.samples, nvme_dir=a.nvme_dir)
+    except ValueError as e:  # a setting the engine refuses: one line and exit 2, as argparse's own
+        p.error(str(e))
     write_json(a.json, res)
 
 
