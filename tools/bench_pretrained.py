@@ -27,7 +27,9 @@ import time
 import torch
 
 from outcore.runtime.hf_model import hf_checkpointing
-from outcore.tools.units import parse_size
+from outcore.tools.units import parse_size, positive_int
+
+KINDS = ("load", "lora", "full", "plain-lora")
 
 
 def _peak_rss() -> int:
@@ -117,14 +119,19 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_pretrained")
     p.add_argument("--dir", required=True)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=positive_int, default=28)
+    p.add_argument("--hidden", type=positive_int, default=2048, help="a multiple of 256 (heads of 128, 2 per KV head)")
+    p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
-    p.add_argument("--kinds", default="load,lora,full,plain-lora")
+    p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--checkpoint", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--_run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.hidden % 256:
+        p.error(f"--hidden {args.hidden}: give a multiple of 256 (attention heads of 128, two per key/value head)")
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        p.error(f"--kinds {args.kinds}: choose from {', '.join(KINDS)}")
     os.makedirs(args.dir, exist_ok=True)
     model_dir = os.path.join(args.dir, "model")
     if args._run:
