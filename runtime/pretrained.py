@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -32,6 +33,11 @@ from outcore.runtime.units import ParamSlot
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # pytorch_model*.bin: the Hugging Face layout before safetensors
+# Weights are streamed by byte range, which safetensors' header gives and a pickle does not.
+CONVERT = ("outcore streams safetensors by byte range and reads no pickles: convert each file once, one at a "
+           "time, with safetensors.torch.save_file(torch.load(f, mmap=True, weights_only=True), out), keeping one "
+           "name of tensors that share memory (a tied weight is filled from any of its names).")
 ST_TO_TORCH = {name: dtype for dtype, name in ST_DTYPES.items()}  # safetensors dtype names to torch
 
 
@@ -66,6 +72,10 @@ def weight_files(path: str) -> list[str]:
         return files
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
+        pickles = sorted(n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise ValueError(f"weights={path!r} holds {pickles[0]!r}{' and more' if len(pickles) > 1 else ''}, "
+                             f"PyTorch pickles, and no .safetensors file. {CONVERT}")
         raise ValueError(f"weights={path!r} holds no .safetensors file.")
     return files
 
@@ -91,7 +101,17 @@ def _read_header(file: str) -> dict[str, StoredTensor]:
                                     8 + size + begin, stop - begin)
         return out
     except (OSError, ValueError, KeyError, TypeError) as e:
+        if _is_torch_save(file):
+            raise ValueError(f"{file!r} is a PyTorch pickle (torch.save), not a safetensors file. {CONVERT}") from e
         raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
+
+
+def _is_torch_save(file: str) -> bool:
+    """`torch.save`'s format since torch 1.6: a zip archive whose entries include `data.pkl`."""
+    if not zipfile.is_zipfile(file):
+        return False
+    with zipfile.ZipFile(file) as archive:
+        return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
 
 
 def model_name(name: str) -> str:
