@@ -39,6 +39,11 @@ def check_export_path(out: str) -> None:
     elif os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"export {out!r} is a file; name a directory for the Hugging Face layout, or a "
                          ".safetensors file.")
+    folder = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(folder):  # the folders the export makes (as save_pretrained does)
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"export {out!r} cannot be made: {folder!r} is a file, not a folder.")
 
 
 @contextmanager
@@ -49,6 +54,8 @@ def export_target(out: str) -> Iterator[str]:
     out = os.path.normpath(out)
     tmp = f"{out}.tmp"
     _remove(tmp)
+    if is_one_file(out):  # a directory's own writer makes it, and its parents with it
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     try:
         yield tmp
         if is_one_file(out) or not os.path.isdir(out):

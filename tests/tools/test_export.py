@@ -157,7 +157,8 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("out, words", [("model.bin", "writes safetensors"), ("d.safetensors", "is a directory"),
-                                        ("f", "is a file")])
+                                        ("f", "is a file"), ("f/m.safetensors", "f' is a file, not a folder"),
+                                        ("f/x/hf", "f' is a file, not a folder")])
 def test_an_export_path_it_cannot_become_is_refused_before_anything_is_read(tmp_path, capsys, out, words):
     (tmp_path / "d.safetensors").mkdir()
     (tmp_path / "f").write_text("kept")
@@ -165,3 +166,19 @@ def test_an_export_path_it_cannot_become_is_refused_before_anything_is_read(tmp_
     err = capsys.readouterr().err
     assert words in err and "no checkpoint" not in err
     assert (tmp_path / "f").read_text() == "kept" and not (tmp_path / "model.bin").exists()
+
+
+@pytest.mark.parametrize("via", ["engine", "offline"])
+def test_a_safetensors_file_in_folders_not_yet_made_is_written_there(tmp_path, capsys, via):
+    """As a Hugging Face directory's parents are: before, a FileNotFoundError naming OUT.tmp."""
+    engine, _ = _trained_engine(tmp_path)
+    out = tmp_path / "new" / "folders" / "model.safetensors"
+    if via == "engine":
+        engine.export(str(out))
+    else:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0
+    assert load_file(str(out)).keys() == engine.full_state_dict().keys()
+    assert os.listdir(out.parent) == ["model.safetensors"]
+    engine.close()
+
