@@ -59,6 +59,7 @@ from outcore.runtime.vertical import (
     batch_loss,
     call_model,
     checkpointed,
+    micro_batch_count,
     views_gathered_unit,
 )
 
@@ -243,9 +244,7 @@ class Engine:
         the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
         equals K forward/backward calls and a step with `grad_accumulation=K`. Returns `step()`'s
         stats plus "losses" (K floats)."""
-        count = len(micro_batches)
-        if count == 0:
-            raise ValueError("train_batch needs at least one micro-batch.")
+        count = micro_batch_count(micro_batches)
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
                              "finish it with step() first.")

@@ -263,6 +263,17 @@ def views_gathered_unit(units: Sequence[Any], t: torch.Tensor) -> bool:
     return any(u.flat.untyped_storage().data_ptr() == ptr for u in units if u.is_gathered)
 
 
+def micro_batch_count(micro_batches: Any) -> int:
+    """K of a train_batch: the length of its sequence of micro-batches, at least one."""
+    if not isinstance(micro_batches, Sequence):  # an iterator would be drained whole (a DataLoader's epoch)
+        raise TypeError(f"train_batch takes a list of micro-batches, K = its length; got a "
+                        f"{type(micro_batches).__name__}. From an iterator take K of them: "
+                        "list(itertools.islice(iterator, K)).")
+    if not micro_batches:
+        raise ValueError("train_batch needs at least one micro-batch.")
+    return len(micro_batches)
+
+
 def batch_loss(output: Any, micro_batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> torch.Tensor:
     """The micro-batch's loss: `loss_fn(output, micro_batch)`, else the output itself (a tensor, or an
     object with a `.loss`, as Hugging Face models return)."""

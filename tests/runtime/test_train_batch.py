@@ -164,6 +164,9 @@ def test_losses_come_from_loss_fn_or_the_output(tmp_path):
     assert len(stats["losses"]) == 2 and stats["losses"][0] == stats["losses"][1]
     with pytest.raises(ValueError, match="at least one"):
         engine.train_batch([])
+    with pytest.raises(TypeError, match=r"got a generator\. From an iterator take K"):
+        engine.train_batch(mb for mb in [x, x])  # DeepSpeed's train_batch takes an iterator: not this one
+    assert len(engine.train_batch((x, x), loss_fn=lambda out, _: out.mean())["losses"]) == 2  # a tuple is one
     engine.close()
 
 
