@@ -16,6 +16,7 @@ from typing import Any
 
 from outcore.offload.io_config import IOConfig
 from outcore.offload.typed_fields import check_fields
+from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS
@@ -108,9 +109,7 @@ class Config:
         """The settings a config file holds, parsed but not yet checked together (a caller may add
         to them first, as `outcore train` adds a scratch nvme_dir)."""
         path = os.fspath(path)
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in (".json", ".yaml", ".yml", ".toml"):
-            raise ValueError(f"config {path!r}: use a .json, .yaml, .yml or .toml file.")
+        ext = config_format(path)
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -141,9 +140,9 @@ class Config:
         return d
 
     def to_file(self, path: str | os.PathLike) -> None:
-        """Write as JSON (what `outcore tune` emits); `from_file` reads it back unchanged."""
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        """Write in the format its suffix names, as `from_file` reads (.json, .yaml/.yml, .toml);
+        `from_file` reads it back equal."""
+        write_values(path, self.to_dict())
 
     @classmethod
     def from_deepspeed(cls, ds: dict[str, Any] | str | os.PathLike) -> Config:

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up step")
     u.add_argument("--batch", type=positive_int, default=1)
     u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
-    u.add_argument("--out", default="tuned.json", help="where the fastest config is written (default tuned.json)")
+    u.add_argument("--out", default="tuned.json",
+                   help="where the fastest config is written, as .json, .yaml or .toml (default tuned.json)")
     u.add_argument("--prefetch-depth", type=_ints, help="values to try (default 1,2,4)")
     u.add_argument("--block-size", type=_sizes, help="values to try (default 1M,8M)")
     u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
@@ -373,10 +374,15 @@ def _export(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     from outcore import runtime
+    from outcore.runtime.config_text import config_format
     from outcore.tools.model_source import resolve_model
     from outcore.tools.train import scratch_nvme_dir
 
     _writable(args.out, "--out", folder=False)  # checked before a sweep that may take hours
+    try:
+        config_format(args.out)
+    except ValueError as e:
+        raise UsageError(f"--out: {e}") from None
     if args.json:
         _writable(args.json, "--json", folder=False)
     try:
@@ -400,6 +406,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
+    from outcore.runtime.config_text import write_values
     from outcore.tools.report import table, write_json
     from outcore.tools.tune import tune
 
@@ -432,7 +439,7 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
                      human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
     table(["prefetch", "block", "qd", "threads", "nice", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
     written = best.to_dict() if keep_nvme_dir else {**best.to_dict(), "nvme_dir": None}
-    write_json(args.out, written)  # as Config.to_file writes it
+    write_values(args.out, written)  # as Config.to_file writes it, in the format --out names
     print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
     write_json(args.json, {"best": written, "candidates": [
         {"label": c.label, "config": c.config.to_dict(), **c.result} for c in tried]})

@@ -1,7 +1,10 @@
+import dataclasses
 import json
 import logging
+import tomllib
 
 import pytest
+import yaml
 
 import outcore
 from outcore.runtime.config import Config
@@ -77,11 +80,28 @@ def test_from_file_rejects_unknown_keys_and_bad_files(tmp_path):
         Config.from_file(tmp_path / "run.ini")
 
 
-def test_to_file_round_trips(tmp_path):
-    c = Config(stage=3, offload_params="nvme", offload_optimizer="cpu", nvme_dir=str(tmp_path), dtype="fp16",
-               unit_classes=("Block",), io={"block_size": 8 << 20, "queue_depth": 16}, grad_clip=None)
-    c.to_file(tmp_path / "c.json")
-    assert Config.from_file(tmp_path / "c.json") == c
+@pytest.mark.parametrize("ext", ["json", "yaml", "yml", "toml"])
+@pytest.mark.parametrize("nvme_dir", [True, False])
+def test_to_file_writes_the_format_its_suffix_names_and_round_trips(tmp_path, ext, nvme_dir):
+    c = Config(stage=3, offload_params="cpu", offload_optimizer="cpu", dtype="fp16", nvme_dir=None,
+               unit_classes=("Block",), io={"block_size": 8 << 20, "queue_depth": 16}, grad_clip=None,
+               optimizer={"lr": 1e-4, "betas": (0.9, 0.95)}, host_budget=3 << 30)
+    if nvme_dir:
+        c = dataclasses.replace(c, offload_optimizer="nvme", nvme_dir=str(tmp_path / 'a "quoted" dir'))
+    path = tmp_path / f"c.{ext}"
+    c.to_file(path)
+    assert Config.from_file(path) == c
+    text = path.read_text()
+    if ext == "json":
+        assert json.loads(text)["grad_clip"] is None
+    else:  # the format's own syntax, not JSON (which YAML would also read)
+        assert not text.startswith("{") and "stage" in (tomllib.loads(text) if ext == "toml" else yaml.safe_load(text))
+
+
+def test_to_file_refuses_a_suffix_from_file_would_not_read(tmp_path):
+    with pytest.raises(ValueError, match="use a .json, .yaml, .yml or .toml file"):
+        Config().to_file(tmp_path / "c.txt")
+    assert not (tmp_path / "c.txt").exists()
 
 
 def test_from_deepspeed_translates_and_names_every_ignored_key_in_one_warning(caplog):

@@ -78,18 +78,33 @@ def test_a_hugging_face_directory_is_tuned_with_its_own_weights_and_vocabulary(t
     assert tried[0].result["bytes_read_per_step"] > 0
 
 
+CONFIG_TEXT = {"json": '{"offload_params": "nvme", "offload_optimizer": "nvme", "grad_clip": 0}',
+               "toml": 'offload_params = "nvme"\noffload_optimizer = "nvme"\ngrad_clip = 0\n',
+               "yml": "offload_params: nvme\noffload_optimizer: nvme\ngrad_clip: 0\n"}
+
+
+@pytest.mark.parametrize("ext", sorted(CONFIG_TEXT))
 def test_a_config_without_nvme_dir_is_tuned_in_a_scratch_folder_and_written_without_one(tmp_path, monkeypatch,
-                                                                                          capsys):
+                                                                                          capsys, ext):
+    """In the format it was given (a tuned.toml held JSON before, which `train --config` refused)."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "run.json").write_text(json.dumps({"offload_params": "nvme", "offload_optimizer": "nvme"}))
+    (tmp_path / f"run.{ext}").write_text(CONFIG_TEXT[ext])
     one = ["--prefetch-depth", "2", "--block-size", "1M", "--queue-depth", "32", "--threads", "4", "--nice", "15"]
-    assert main(["tune", "--config", "run.json", "--steps", "1", "--seq", "32", *one, "--out", "tuned.json",
+    assert main(["tune", "--config", f"run.{ext}", "--steps", "1", "--seq", "32", *one, "--out", f"tuned.{ext}",
                  "--json", "tune.json"]) == 0
     assert "NVMe tier in" in capsys.readouterr().out
-    written = json.loads((tmp_path / "tuned.json").read_text())
+    written = outcore.Config.file_values(tmp_path / f"tuned.{ext}")  # parsed as its suffix says
     (candidate,) = json.loads((tmp_path / "tune.json").read_text())["candidates"]
-    assert written["nvme_dir"] is None and candidate["config"]["nvme_dir"] is not None
+    assert written.get("nvme_dir") is None and candidate["config"]["nvme_dir"] is not None
+    assert written["grad_clip"] in (None, 0)  # TOML has no null: 0 is no clipping
     assert candidate["bytes_read_per_step"] > 0  # it ran on NVMe, in the scratch folder
-    assert sorted(os.listdir(tmp_path)) == ["run.json", "tune.json", "tuned.json"]  # and that is gone
-    s = train(TrainOptions(config="tuned.json", steps=2, batch=2, seq=32, save_final=False), report=lambda _: None)
-    assert s["offload_params"] == "nvme" and len(s["losses"]) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted([f"run.{ext}", "tune.json", f"tuned.{ext}"])  # and that is gone
+    s = train(TrainOptions(config=f"tuned.{ext}", steps=2, batch=2, seq=32, save_final=False),
+              report=lambda _: None)
+    assert s["offload_params"] == "nvme" and s["config"]["grad_clip"] is None and len(s["losses"]) == 2
+
+
+def test_an_out_it_could_not_read_back_is_refused_before_the_sweep(tmp_path, capsys):
+    (tmp_path / "run.json").write_text("{}")
+    assert main(["tune", "--config", str(tmp_path / "run.json"), "--out", str(tmp_path / "tuned.txt")]) == 2
+    assert "--out: config" in capsys.readouterr().err and os.listdir(tmp_path) == ["run.json"]
