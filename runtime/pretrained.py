@@ -1,12 +1,14 @@
 """Pretrained weights read straight into the units as they are materialized (`Engine(weights=...)`).
 
 `weights` names a safetensors file or a directory of them: the Hugging Face sharded layout (with
-`model.safetensors.index.json`), or any `*.safetensors` files without an index. Tensors are
-matched to the model by `model.state_dict()` name; a tied weight stored under any one of its names
-fills all of them. Everything is checked before a byte is read into the engine: a missing or
-unexpected name, or a shape or dtype that cannot be converted, is one `ValueError` naming the tensor
-and its file. A unit's tensors are then read one at a time (safetensors maps the file; a tensor is
-read when asked for), so the model is never whole in memory.
+`model.safetensors.index.json`), or any `*.safetensors` files without an index. A directory without
+them may hold the layout before safetensors, `pytorch_model*.bin` (`torch.save` files, with
+`pytorch_model.bin.index.json` when sharded), whose tensors are found by byte range too
+(runtime/torch_pickle.py). Tensors are matched to the model by `model.state_dict()` name; a tied
+weight stored under any one of its names fills all of them. Everything is checked before a byte is
+read into the engine: a missing or unexpected name, or a shape or dtype that cannot be converted,
+is one `ValueError` naming the tensor and its file. A unit's tensors are then read one at a time,
+each from its byte range when asked for, so the model is never whole in memory.
 
 A parameter that already holds values (a LoRA adapter created outside `deferred_init()`) keeps
 them and need not be in the files. A model wrapped by peft is matched under the base model's names
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zipfile
+import pickle
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -28,17 +30,16 @@ from torch import nn
 
 from outcore.runtime.hf_conversion import MergedTensor, assemble, convert_names
 from outcore.runtime.safetensors_stream import ST_DTYPES
+from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # pytorch_model*.bin: the Hugging Face layout before safetensors
-# Weights are streamed by byte range, which safetensors' header gives and a pickle does not.
-CONVERT = ("outcore streams safetensors by byte range and reads no pickles: convert each file once, one at a "
-           "time, with safetensors.torch.save_file(torch.load(f, mmap=True, weights_only=True), out), keeping one "
-           "name of tensors that share memory (a tied weight is filled from any of its names).")
+PICKLE_INDEX = "pytorch_model.bin.index.json"  # the Hugging Face layout before safetensors
 ST_TO_TORCH = {name: dtype for dtype, name in ST_DTYPES.items()}  # safetensors dtype names to torch
+RESAVE = ("save it again as safetensors (safetensors.torch.save_file of its state dict, or save_pretrained), "
+          "which outcore streams by byte range")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,66 +53,79 @@ class StoredTensor:
 
 
 def weight_files(path: str) -> list[str]:
-    """The safetensors files `path` names (a file, or a directory with or without an index)."""
+    """The weight files `path` names: a file, or a directory of safetensors files (with or without
+    an index), or else of `torch.save` files as Hugging Face names them (`pytorch_model*.bin`)."""
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise ValueError(f"weights={path!r} does not exist; name a .safetensors file or a directory of them.")
-    index = os.path.join(path, INDEX)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index!r} is not a safetensors index ({e}).") from e
-        files = sorted({os.path.join(path, name) for name in weight_map.values()})
-        missing = [f for f in files if not os.path.exists(f)]
-        if missing:
-            raise ValueError(f"{index!r} names {os.path.basename(missing[0])!r}, which is missing from {path!r} "
-                             f"({len(missing)} of its {len(files)} files are).")
-        return files
-    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        pickles = sorted(n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES))
-        if pickles:
-            raise ValueError(f"weights={path!r} holds {pickles[0]!r}{' and more' if len(pickles) > 1 else ''}, "
-                             f"PyTorch pickles, and no .safetensors file. {CONVERT}")
-        raise ValueError(f"weights={path!r} holds no .safetensors file.")
+    for index, suffix in ((INDEX, ".safetensors"), (PICKLE_INDEX, ".bin")):
+        if os.path.exists(os.path.join(path, index)):
+            return _indexed_files(path, index)
+        files = sorted(os.path.join(path, n) for n in os.listdir(path)
+                       if n.endswith(suffix) and (suffix == ".safetensors" or n.startswith("pytorch_model")))
+        if files:
+            return files
+    raise ValueError(f"weights={path!r} holds no .safetensors file (nor a Hugging Face pytorch_model.bin).")
+
+
+def _indexed_files(path: str, name: str) -> list[str]:
+    index = os.path.join(path, name)
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index!r} is not a weight index ({e}).") from e
+    files = sorted({os.path.join(path, name) for name in weight_map.values()})
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ValueError(f"{index!r} names {os.path.basename(missing[0])!r}, which is missing from {path!r} "
+                         f"({len(missing)} of its {len(files)} files are).")
     return files
 
 
 def _read_header(file: str) -> dict[str, StoredTensor]:
-    """The tensors a safetensors file holds, from its header (an 8-byte little-endian length, then
-    JSON giving each tensor's dtype, shape and byte range after the header)."""
+    """The tensors a weight file holds: a safetensors file's header, or a `torch.save` file's
+    pickle read for byte ranges only (runtime/torch_pickle.py)."""
+    if not file.endswith(".safetensors") and is_torch_save(file):
+        try:
+            extents = tensor_extents(file)
+        except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{file!r} is a torch.save file outcore cannot stream: {e}; {RESAVE}.") from e
+        return {key: StoredTensor(file, key, x.shape, x.dtype, x.begin, x.nbytes) for key, x in extents.items()}
     try:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100 << 20:
-                raise ValueError(f"a header of {size} bytes")
-            header = json.loads(f.read(size))
-            end = os.fstat(f.fileno()).st_size
-        out = {}
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            begin, stop = entry["data_offsets"]
-            if not 0 <= begin <= stop <= end - 8 - size:
-                raise ValueError(f"tensor {key!r} lies past the end of the file")
-            out[key] = StoredTensor(file, key, tuple(entry["shape"]), ST_TO_TORCH.get(entry["dtype"]),
-                                    8 + size + begin, stop - begin)
-        return out
+        return _safetensors_header(file)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        if _is_torch_save(file):
-            raise ValueError(f"{file!r} is a PyTorch pickle (torch.save), not a safetensors file. {CONVERT}") from e
+        if _is_legacy_pickle(file):
+            raise ValueError(f"{file!r} is a pickle, not in torch.save's zip format (torch 1.6 and later); "
+                             f"{RESAVE}.") from e
         raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
 
 
-def _is_torch_save(file: str) -> bool:
-    """`torch.save`'s format since torch 1.6: a zip archive whose entries include `data.pkl`."""
-    if not zipfile.is_zipfile(file):
-        return False
-    with zipfile.ZipFile(file) as archive:
-        return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+def _safetensors_header(file: str) -> dict[str, StoredTensor]:
+    """An 8-byte little-endian length, then JSON giving each tensor's dtype, shape and byte range
+    after the header."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100 << 20:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(f.read(size))
+        end = os.fstat(f.fileno()).st_size
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, stop = entry["data_offsets"]
+        if not 0 <= begin <= stop <= end - 8 - size:
+            raise ValueError(f"tensor {key!r} lies past the end of the file")
+        out[key] = StoredTensor(file, key, tuple(entry["shape"]), ST_TO_TORCH.get(entry["dtype"]),
+                                8 + size + begin, stop - begin)
+    return out
+
+
+def _is_legacy_pickle(file: str) -> bool:
+    with open(file, "rb") as f:
+        return f.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # a pickle's protocol opcode
 
 
 def model_name(name: str) -> str:

@@ -2,7 +2,7 @@
 tokenizer and, optionally, LoRA adapters. Local files only: nothing is looked up on a hub.
 
 The model is built from `config.json` under `deferred_init()` (no weights in memory); the engine
-then reads its safetensors files itself (`Engine(weights=DIR)`).
+then reads its weight files itself (`Engine(weights=DIR)`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class HFModel:
     def __post_init__(self) -> None:
         if not os.path.exists(os.path.join(self.directory, "config.json")):
             raise ValueError(f"--model {self.directory!r} has no config.json; name a Hugging Face model "
-                             "directory (config.json, *.safetensors and the tokenizer's files).")
+                             "directory (config.json, its weights and the tokenizer's files).")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"--lora {self.lora_rank}: the adapters' rank must be at least 1.")
 

@@ -2,6 +2,7 @@
 logits and generations as transformers, fine-tuning equal to plain PyTorch, and an exported
 directory that transformers loads back."""
 
+import json
 import os
 import warnings
 
@@ -197,8 +198,6 @@ def test_lora_trains_only_the_adapters_as_peft_does_and_they_load_back(tmp_path)
     ("extra", "not in the model"),
     ("missing-shard", "missing"),
     ("not-safetensors", "not a readable safetensors"),
-    ("pickle-file", "is a PyTorch pickle .* convert each file"),
-    ("pickle-directory", "holds 'pytorch_model.bin', PyTorch pickles, .* convert each file"),
     ("generation-config", "generation_config.json does not load"),
 ])
 def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage, message):
@@ -218,11 +217,6 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
     elif damage == "generation-config":
         with open(os.path.join(directory, "generation_config.json"), "w") as f:
             f.write("{ not json")
-    elif damage in ("pickle-file", "pickle-directory"):  # the Hugging Face layout before safetensors
-        state = load_file(os.path.join(save_model("llama", str(tmp_path / "one")), "model.safetensors"))
-        os.makedirs(tmp_path / "bin")
-        torch.save(state, str(tmp_path / "bin" / "pytorch_model.bin"))
-        weights = str(tmp_path / "bin" / ("pytorch_model.bin" if damage == "pickle-file" else ""))
     elif damage == "missing-shard":
         os.unlink(os.path.join(directory, sorted(f for f in files(directory) if f.endswith(".safetensors"))[0]))
     else:
@@ -235,26 +229,28 @@ def test_bad_weights_are_one_clear_error_and_nothing_is_written(tmp_path, damage
     assert not (tmp_path / "nvme").exists(), "nothing may be written before the weights are known good"
 
 
-def test_a_pickled_model_converted_as_the_error_says_gives_the_logits_of_the_model(tmp_path):
-    """The refusal of a pytorch_model.bin says how to convert it; that way must work, tied weights
-    (two names on one storage in the pickle) included."""
+def test_a_directory_of_sharded_pytorch_model_bins_fine_tunes_as_from_pretrained_loads_it(tmp_path):
+    """The Hugging Face layout before safetensors: `pytorch_model-0000i-of-0000n.bin` and their
+    index, tied weights stored under both names on one storage. A Trainer's `training_args.bin`
+    beside them is not a weight file."""
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config("llama-tied")).eval()
+    model = AutoModelForCausalLM.from_config(config("llama-tied"))
     directory = tmp_path / "bin"
-    ref.config.save_pretrained(str(directory))
-    torch.save(ref.state_dict(), str(directory / "pytorch_model.bin"))
-    with pytest.raises(ValueError, match="convert each file") as e:
-        outcore.Engine(deferred(str(directory)), nvme_config(tmp_path), weights=str(directory))
-    assert "save_file(torch.load(f, mmap=True, weights_only=True), out)" in str(e.value)
-    state = torch.load(str(directory / "pytorch_model.bin"), mmap=True, weights_only=True)
-    del state["lm_head.weight"]  # "keeping one name of tensors that share memory"
-    save_file(state, str(directory / "model.safetensors"))
-    os.unlink(directory / "pytorch_model.bin")
-    engine = outcore.Engine(deferred(str(directory)), nvme_config(tmp_path), weights=str(directory))
-    engine.module.eval()
-    x = token_batches(1)[0]
-    with torch.no_grad():
-        torch.testing.assert_close(engine.module(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+    model.config.save_pretrained(str(directory))
+    state = model.state_dict()
+    names = list(state)
+    shards = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+    for shard, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, str(directory / shard))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    torch.save({"not": "weights"}, str(directory / "training_args.bin"))
+    data = token_batches(4)
+    ref = AutoModelForCausalLM.from_pretrained(str(directory))
+    expected = plain_steps(ref, data)
+    engine = outcore.Engine(deferred(str(directory)), nvme_config(tmp_path), outcore.AdamW(**HP),
+                            weights=str(directory))
+    assert_close_losses(engine_steps(engine, data), expected)
     engine.close()
 
 
