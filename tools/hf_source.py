@@ -45,7 +45,7 @@ class HFModel:
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(self.directory, local_files_only=True)
+            return AutoConfig.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
@@ -110,7 +110,7 @@ class HFModel:
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+            return AutoTokenizer.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--model {self.directory!r}: no tokenizer found in it ({type(e).__name__}); "
                              "save one there with tokenizer.save_pretrained(DIR).") from e

@@ -129,6 +129,7 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
 @pytest.mark.parametrize(("damage", "message"), [
     ("no-config", "no config.json"),
     ("unknown-model-type", "its config.json does not load"),
+    ("custom-code", "custom code"),
     ("no-tokenizer", "no tokenizer found"),
     ("no-data", "--data"),
     ("bad-jsonl", "line 2"),
@@ -136,8 +137,11 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
     ("foreign-tokenizer", "but the model's vocabulary is 5 tokens (vocab_size in its config.json)"),
 ])
-def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, damage, message):
+def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, jsonl, capsys, monkeypatch, damage,
+                                                           message):
     args = train_args(tmp_path, model_dir, jsonl, "--steps", "2")
+    # transformers asks at the terminal whether to run a model's own code unless told not to
+    monkeypatch.setattr("builtins.input", lambda *_: pytest.fail("the command waited for an answer"))
     if damage == "no-config":
         os.unlink(os.path.join(model_dir, "config.json"))
     elif damage == "no-tokenizer":
@@ -147,13 +151,15 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     elif damage == "no-data":
         args.remove("--data")
         args.remove(jsonl)
-    elif damage in ("unknown-model-type", "foreign-tokenizer"):
+    elif damage in ("unknown-model-type", "foreign-tokenizer", "custom-code"):
         path = os.path.join(model_dir, "config.json")
         with open(path) as f:
             cfg = json.load(f)
-        with open(path, "w") as f:  # an unknown model type: transformers explains over several lines
-            json.dump({**cfg, "model_type": "no-such-architecture"} if damage == "unknown-model-type"
-                      else {**cfg, "vocab_size": 5}, f)
+        changed = {"unknown-model-type": {"model_type": "no-such-architecture"},  # explained over several lines
+                   "foreign-tokenizer": {"vocab_size": 5},
+                   "custom-code": {"model_type": "its-own", "auto_map": {"AutoConfig": "its_own.Config"}}}
+        with open(path, "w") as f:
+            json.dump({**cfg, **changed[damage]}, f)
     elif damage == "seq-beyond-positions":
         args[args.index("--seq") + 1] = "128"
     elif damage == "bad-jsonl":
