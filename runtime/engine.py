@@ -37,7 +37,7 @@ from outcore.offload.exit_close import close_at_exit, forget
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
-from outcore.runtime.engine_start import lay_out_states, open_store, shapes_of
+from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hf_model import hf_config_writer, hf_settings, is_peft, read_generation_config
@@ -92,6 +92,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  seed: int = 0, weights: str | os.PathLike | None = None) -> None:
+        check_arguments(model, config, optimizer)
         self.config, self.model = config, model
         self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import psutil
 import torch
@@ -26,10 +27,32 @@ from outcore.runtime.hf_model import lora_init
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import UnitShape, plan_memory, unit_shapes
-from outcore.runtime.optimizer import initial_state
+from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.units import UnitPlan, plan_layout
+
+
+def check_arguments(model: Any, config: Any, optimizer: Any) -> None:
+    """The engine's three arguments are of the kinds it takes; the usual mix-ups from DeepSpeed and
+    plain PyTorch are each one TypeError saying what to pass instead."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Engine(model, ...): the model given ({_kind(model)}) is not a torch.nn.Module.")
+    if not isinstance(config, Config):
+        raise TypeError(f"Engine(model, config): the config given ({_kind(config)}) is not an outcore.Config; "
+                        "build one with outcore.Config(...), Config.from_dict(d), Config.from_file(path), or "
+                        "Config.from_deepspeed(ds_config).")
+    if optimizer is not None and not isinstance(optimizer, AdamW):
+        raise TypeError(f"Engine(model, config, optimizer): the optimizer given ({_kind(optimizer)}) is not an "
+                        "outcore.AdamW. The engine runs its own fused AdamW over the sharded states, so it takes "
+                        "outcore.AdamW(lr=..., betas=..., eps=..., weight_decay=...) with the settings you want; "
+                        "for a schedule set engine.lr before each step (a torch LR scheduler would not reach the "
+                        "engine).")
+
+
+def _kind(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def shapes_of(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:

@@ -126,3 +126,24 @@ def test_a_gpu_index_past_the_machines_gpus_is_one_clear_error():
     beyond = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ValueError, match=f"device '{beyond}': this machine shows {torch.cuda.device_count()} GPU"):
         outcore.Engine(GPT(PRESETS["tiny"]), Config(), device=beyond)
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (lambda m: (m, {"stage": 3}, None), r"the config given \(dict\) is not an outcore.Config; .* Config.from_dict"),
+    (lambda m: (m, Config(), torch.optim.AdamW(m.parameters(), lr=1e-3)),
+     r"the optimizer given \(torch.optim.adamw.AdamW\) is not an outcore.AdamW. The engine runs its own fused "
+     "AdamW .* set engine.lr before each step"),
+    (lambda m: (m, Config(), torch.optim.SGD(m.parameters(), lr=1e-3)),
+     r"\(torch.optim.sgd.SGD\) is not an outcore.AdamW"),
+    (lambda m: (m.state_dict(), Config(), None),
+     r"the model given \(collections.OrderedDict\) is not a torch.nn.Module"),
+])
+def test_arguments_of_the_wrong_kind_are_one_type_error_saying_what_to_pass(arguments, words):
+    """As DeepSpeed's initialize takes them (a config dict, a torch optimizer): before, an
+    AttributeError from deep in the engine."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=words) as e:
+        outcore.Engine(*arguments(model))
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model is as it was
