@@ -183,8 +183,6 @@ def _bench_disk(args: argparse.Namespace) -> int:
     from outcore.tools.bench_disk import bench_disk
     from outcore.tools.report import progress, table, write_json
 
-    if args.json:  # (bench_disk checks --dir itself)
-        _writable(args.json, "--json", folder=False)
     settings = len(args.block_size) * len(args.queue_depth) * len(args.threads) * len(args.backend)
     with progress(args.repeats * settings, "bench-disk") as bar:
         try:
@@ -245,8 +243,6 @@ def _train(args: argparse.Namespace) -> int:
     from outcore.tools.train import TrainOptions, train
 
     _writable(args.out, "--out", folder=True)
-    if args.json:
-        _writable(args.json, "--json", folder=False)
     if args.nvme_dir:
         _writable(args.nvme_dir, "--nvme-dir", folder=True)
 
@@ -383,8 +379,6 @@ def _tune(args: argparse.Namespace) -> int:
         config_format(args.out)
     except ValueError as e:
         raise UsageError(f"--out: {e}") from None
-    if args.json:
-        _writable(args.json, "--json", folder=False)
     try:
         values = runtime.Config.file_values(args.config)
         scratch = scratch_nvme_dir(values)
@@ -464,6 +458,8 @@ def _run(argv: list[str] | None) -> int:
         print(f"outcore: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if getattr(args, "json", None):  # every command's --json, checked before its work
+            _writable(args.json, "--json", folder=False)
         return args.run(args)
     except Interrupted as e:
         print(f"outcore {args.command}: {e}", file=sys.stderr)

@@ -143,3 +143,15 @@ def test_estimate_of_an_encoder_decoder_is_the_plan_its_engine_makes(tmp_path, l
     finally:
         engine.close()
     assert {tier: row[0][tier] for tier in ("device", "host", "nvme")} == plan
+
+
+@pytest.mark.parametrize("command", [["estimate", "--params", "1B"], ["export", "ckpt", "out.safetensors"],
+                                     ["tune", "--config", "run.json"], ["train", "--steps", "1"],
+                                     ["bench-disk", "--dir", "d", "--size", "1M"]])
+def test_every_commands_json_that_cannot_be_written_is_refused_before_its_work(tmp_path, monkeypatch, capsys,
+                                                                               command):
+    """estimate and export did their work and then failed on --json with an IsADirectoryError (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").mkdir()
+    assert main([*command, "--json", "taken"]) == 2
+    assert "--json" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
