@@ -35,7 +35,7 @@ import time
 import torch
 
 from outcore.tools.fio import fio_available, fio_mixed_throughput
-from outcore.tools.report import peak_rss
+from outcore.tools.report import check_writable, peak_rss, write_json
 from outcore.tools.units import human_bytes, parse_size
 
 DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 threads), and fio's
@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("_run")
     r.add_argument("spec")
     args = p.parse_args(argv)
+    if getattr(args, "json", None):  # before rounds that take minutes
+        try:
+            check_writable(args.json, "--json")
+        except ValueError as e:
+            p.error(str(e))
 
     if args.what == "_run":
         spec = json.loads(args.spec)
@@ -301,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             rd, wr = (statistics.median(r[k] for r in disk) / 1e9 for k in ("read_Bps", "write_Bps"))
             print(f"  disk (fio after each round, reading and writing at once, {DISK_BLOCK >> 20} MiB blocks, depth "
                   f"{DISK_DEPTH}): {rd:.2f} GB/s read + {wr:.2f} GB/s written.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

@@ -226,16 +226,12 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _writable(path: str, flag: str, *, folder: bool) -> None:
-    """Before any work: `path` can be written (a folder made, or a file created, where it says)."""
-    path = os.path.abspath(path)
-    if os.path.exists(path) and os.path.isdir(path) != folder:
-        raise UsageError(f"{flag} {path!r} is a {'file' if folder else 'directory'}; name a "
-                         f"{'directory' if folder else 'file'}.")
-    probe = path if folder else os.path.dirname(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path!r} cannot be written ({probe!r} is not a writable directory).")
+    from outcore.tools.report import check_writable
+
+    try:
+        check_writable(path, flag, folder=folder)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -24,7 +24,21 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def write_json(path: str | None, payload: dict) -> None:
+def check_writable(path: str, flag: str, *, folder: bool = False) -> None:
+    """Before any work: `path` can be written (a folder made, or a file created, where it says);
+    else a ValueError naming `flag`."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise ValueError(f"{flag} {path!r} is a {'file' if folder else 'directory'}; name a "
+                         f"{'directory' if folder else 'file'}.")
+    probe = path if folder else os.path.dirname(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} cannot be written ({probe!r} is not a writable directory).")
+
+
+def write_json(path: str | None, payload: dict | list) -> None:
     """`path`'s folders are made as needed: the command checked up front that they can be."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

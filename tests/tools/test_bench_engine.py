@@ -1,6 +1,9 @@
 """`python -m outcore.tools.bench_engine step`: each kind in its own process, under the budgets asked for."""
 
+import importlib
 import json
+
+import pytest
 
 from outcore.tools import bench_engine
 
@@ -23,3 +26,21 @@ def test_a_step_against_plain_under_given_or_derived_budgets(tmp_path, capsys):
     # The derived budgets hold what 8 MiB each cannot, so a step reads less from the disk.
     assert tight["read_bytes_per_step"] > derived["read_bytes_per_step"]
     assert not list((tmp_path / "nvme").iterdir())  # the runs' swap folders are gone
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("bench_engine", ["step", "--preset", "tiny", "--steps", "1", "--rounds", "1"]),
+    ("bench_engine", ["optimizer"]),
+    ("bench_peers", ["--preset", "tiny", "--steps", "1", "--rounds", "1"]),
+    ("soak", ["--steps", "1"]),
+    ("gpu_check", []),
+])
+def test_a_json_that_cannot_be_written_stops_a_benchmark_before_it_runs(tmp_path, monkeypatch, capsys, tool, argv):
+    """Before, the rounds ran for minutes (a soak for hours) and the result was lost at the end."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").mkdir()
+    module = importlib.import_module(f"outcore.tools.{tool}")
+    with pytest.raises(SystemExit) as e:
+        module.main([*argv, "--json", "taken"])
+    assert e.value.code == 2 and "--json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
