@@ -18,7 +18,7 @@ import errno
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +67,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     disk, say) removes what it wrote and leaves the previous checkpoints as they were."""
     if not is_tag(tag) or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
+    _check_client_state(progress["client_state"])
     _refuse_a_file_in_the_way(directory)
     sm.settle()
     final = os.path.join(directory, tag)
@@ -86,7 +87,8 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
-                    "hf_generation_config": progress.get("hf_generation_config"), "files": dict(crcs)}
+                    "hf_generation_config": progress.get("hf_generation_config"),
+                    "client_state": progress["client_state"], "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
         if sm.group.rank == 0:
@@ -154,6 +156,17 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
     for k, v in buffers.items():
         writer.write(k, v)
     writer.close()
+
+
+def _check_client_state(state: Any) -> None:
+    """Before anything is written: the caller's state goes into meta.json, so JSON values only."""
+    if not isinstance(state, dict):
+        raise ValueError(f"client_state is a {type(state).__name__}; pass a dict of JSON values.")
+    try:
+        json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"client_state holds what JSON cannot ({e}); keep numbers, strings, lists and dicts "
+                         "there, and save tensors or other objects yourself.") from None
 
 
 def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
@@ -296,4 +309,5 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     assert len(steps) == len(sm.updates.steps)  # the layout matched
     sm.updates.steps[:] = steps
     sm.updates.loaded(None)
+    meta.setdefault("client_state", {})  # written before save_checkpoint took one
     return meta

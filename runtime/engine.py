@@ -319,9 +319,12 @@ class Engine:
         self.updates.drain()
 
     @_engine_call
-    def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
+    def save_checkpoint(self, directory: str, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> str:
         """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it. `tag`:
-        the folder's name (None: `global_step<N>`, as DeepSpeed names it). Returns the folder."""
+        the folder's name (None: `global_step<N>`, as DeepSpeed names it). `client_state`: the
+        caller's own JSON values (epoch, data position), rank 0's kept and given back by
+        `load_checkpoint` as its "client_state". Returns the folder."""
         if self.gradients.micro:
             spent = self.policy.overlapped and self.gradients.window_complete
             raise RuntimeError(f"save_checkpoint after {self.gradients.micro} backward pass(es) and before their "
@@ -330,7 +333,8 @@ class Engine:
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict(), **hf_settings(self.model)}
+                    "config": self.config.to_dict(), "client_state": {} if client_state is None else client_state,
+                    **hf_settings(self.model)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

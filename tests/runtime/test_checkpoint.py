@@ -202,3 +202,26 @@ def test_a_file_where_the_checkpoint_folder_goes_is_one_clear_error_and_stays(tm
             engine.save_checkpoint(str(directory), tag="step1")
     assert in_the_way.read_text() == "my notes"
     engine.close()
+
+
+def test_the_callers_client_state_comes_back_from_load_and_what_json_cannot_hold_is_refused(tmp_path):
+    """As DeepSpeed's save_checkpoint(dir, tag, client_state): the caller's own progress, kept
+    with the checkpoint."""
+    engine = make(tmp_path, "client", "none", "none")
+    data = batches(1)
+    engine.backward(engine(*data[0]))
+    engine.step()
+    ckpt = str(tmp_path / "ckpt")
+    for bad, words in (({"rng": torch.get_rng_state()}, "JSON cannot"), ({"loss": float("nan")}, "JSON cannot"),
+                       ([1, 2], "client_state is a list")):
+        with pytest.raises(ValueError, match=words):
+            engine.save_checkpoint(ckpt, tag="bad", client_state=bad)
+    assert not os.path.exists(ckpt), "a refused client_state writes nothing"
+    state = {"epoch": 2, "batch_in_epoch": 17, "seen": ["a.jsonl"], "schedule": {"warmup": 100}}
+    engine.save_checkpoint(ckpt, tag="with", client_state=state)
+    engine.save_checkpoint(ckpt, tag="without")
+    engine.close()
+    other = make(tmp_path, "client2", "none", "none")
+    assert other.load_checkpoint(ckpt, tag="with")["client_state"] == state
+    assert other.load_checkpoint(ckpt, tag="without")["client_state"] == {}
+    other.close()
