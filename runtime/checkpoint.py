@@ -301,7 +301,8 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
         buffers = shards.buffers(BUFFER_PREFIX)
         shards.close()
         if buffers:
-            sm.model.load_state_dict(buffers, strict=False)
+            with sm.guard.open():
+                sm.model.load_state_dict(buffers, strict=False)
     except BaseException as e:
         sm.updates.loaded(e)  # some states are the checkpoint's, some not: the engine refuses to go on
         raise

@@ -78,6 +78,15 @@ class StateDictGuard:
                 "model in CPU memory), engine.export(path) (streamed to a .safetensors file or a Hugging Face "
                 "directory, also in place of save_pretrained), or engine.save_checkpoint(directory).")
 
+    def before_load(self, *_hook_arguments: Any) -> None:
+        """A load_state_dict pre-hook: the loaded values could not reach the shards in the store."""
+        if not self._open:
+            raise RuntimeError(
+                "load_state_dict() was called on a module whose parameters outcore's engine holds: the values "
+                "cannot reach its shards. Give weights when the engine is built (Engine(..., weights=path) "
+                "reads a .safetensors file or a Hugging Face directory unit by unit), or restore a run with "
+                "engine.load_checkpoint(directory).")
+
 
 @dataclass(frozen=True, eq=False)
 class ShardedModel:
@@ -110,6 +119,7 @@ class ShardedModel:
         owners = {id(m): m for u in self.units for slot in u.plan.slots for m, _ in slot.places}
         for module in owners.values():
             module.register_state_dict_post_hook(self.guard)
+            module.register_load_state_dict_pre_hook(self.guard.before_load)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers by state-dict name (all its state dict holds once sharded), on CPU."""

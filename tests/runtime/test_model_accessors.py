@@ -83,6 +83,22 @@ def test_state_dict_of_the_model_or_a_submodule_names_what_reads_the_weights(tmp
     engine.close()
 
 
+def test_load_state_dict_into_the_model_is_refused_naming_weights_and_load_checkpoint(tmp_path):
+    """Before, torch's own error: the anchor missing and every real key unexpected."""
+    model, engine = engine_for(tmp_path, stage=3, offload_optimizer="nvme")
+    trained = engine.full_state_dict()
+    zeros = {k: torch.zeros_like(v) for k, v in trained.items()}
+    for module, state in ((model, zeros), (model.head, {k[len("head."):]: v for k, v in zeros.items()
+                                                        if k.startswith("head.")})):
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) was called .*weights=path.*load_checkpoint"):
+            module.load_state_dict(state)
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in trained.items())
+    engine.save_checkpoint(str(tmp_path / "ckpt"))  # the engine's own load of the buffers still runs
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+
+
 def test_save_pretrained_fails_the_same_way_and_export_writes_the_model(tmp_path):
     directory = save_model("llama", str(tmp_path / "src"))
     engine = outcore.Engine(deferred(directory), outcore.Config(nvme_dir=str(tmp_path / "nvme")), weights=directory)
