@@ -50,7 +50,8 @@ def tensor_extents(file: str) -> dict[str, Extent]:
         pickled = _pickle_entry(archive)
         assert pickled is not None  # is_torch_save() said so
         prefix = pickled[: -len("data.pkl")]
-        if archive.NameToInfo.get(f"{prefix}byteorder") and archive.read(f"{prefix}byteorder") != b"little":
+        order = f"{prefix}byteorder"  # absent from files of torch before 1.10, which wrote little-endian only
+        if order in archive.namelist() and archive.read(order) != b"little":
             raise ValueError("its tensors are stored big-endian")
         state = _StateDictUnpickler(archive.open(pickled)).load()
         if not isinstance(state, dict):
