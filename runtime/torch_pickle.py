@@ -50,7 +50,7 @@ def tensor_extents(file: str) -> dict[str, Extent]:
         pickled = _pickle_entry(archive)
         assert pickled is not None  # is_torch_save() said so
         prefix = pickled[: -len("data.pkl")]
-        order = f"{prefix}byteorder"  # absent from files of torch before 1.10, which wrote little-endian only
+        order = f"{prefix}byteorder"  # older torch versions wrote none, and little-endian data
         if order in archive.namelist() and archive.read(order) != b"little":
             raise ValueError("its tensors are stored big-endian")
         state = _StateDictUnpickler(archive.open(pickled)).load()
