@@ -35,7 +35,7 @@ import time
 import torch
 
 from outcore.tools.fio import fio_available, fio_mixed_throughput
-from outcore.tools.report import check_writable, peak_rss, write_json
+from outcore.tools.report import check_json_argument, peak_rss, write_json
 from outcore.tools.units import human_bytes, parse_size
 
 DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 threads), and fio's
@@ -235,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("_run")
     r.add_argument("spec")
     args = p.parse_args(argv)
-    if getattr(args, "json", None):  # before rounds that take minutes
-        try:
-            check_writable(args.json, "--json")
-        except ValueError as e:
-            p.error(str(e))
+    check_json_argument(p, getattr(args, "json", None))  # before rounds that take minutes
 
     if args.what == "_run":
         spec = json.loads(args.spec)

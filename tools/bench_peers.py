@@ -28,7 +28,7 @@ import time
 
 import psutil
 
-from outcore.tools.report import check_writable, peak_rss, table, write_json
+from outcore.tools.report import check_json_argument, peak_rss, table, write_json
 from outcore.tools.units import human_bytes
 
 KINDS = ("plain", "outcore", "deepspeed")
@@ -120,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    if args.json:  # before rounds that take minutes
-        try:
-            check_writable(args.json, "--json")
-        except ValueError as e:
-            p.error(str(e))
+    check_json_argument(p, args.json)  # before rounds that take minutes
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if set(kinds) - set(KINDS):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")

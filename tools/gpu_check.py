@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from outcore.tools.report import check_writable
+from outcore.tools.report import check_json_argument
 from outcore.tools.units import human_bytes, human_count
 
 PARITY_SETTINGS = [(1, "none", "none"), (1, "none", "cpu"), (2, "none", "cpu"), (2, "none", "nvme"),
@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme-dir", default=".", help="where the NVMe runs put their swap files")
     p.add_argument("--quick", action="store_true", help="fewer steps, the 1.3B run only")
     args = p.parse_args(argv)
-    try:
-        check_writable(args.out, "--json")
-    except ValueError as e:
-        p.error(str(e))
+    check_json_argument(p, args.out)
     result: dict[str, Any] = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
     if not result["cuda"]:
         print("gpu_check: torch sees no CUDA GPU here; nothing to check (wrote that to " + args.out + ")")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -36,6 +37,15 @@ def check_writable(path: str, flag: str, *, folder: bool = False) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path!r} cannot be written ({probe!r} is not a writable directory).")
+
+
+def check_json_argument(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """Before a tool's rounds: its --json can be written, or argparse's own one line and exit 2."""
+    if path:
+        try:
+            check_writable(path, "--json")
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def write_json(path: str | None, payload: dict | list) -> None:
