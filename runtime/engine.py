@@ -401,6 +401,7 @@ class Engine:
     # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
+        self.sharded.check_unconverted(self.device, self.policy.torch_dtype)
         batch = self._batch
         if batch is not None and batch.turns.current is not None:
             batch.turns.boundary()  # the next micro-batch's turn: runtime/vertical.py [Note: vertical schedule]

@@ -114,6 +114,19 @@ class ShardedModel:
         wrapped_model(self.model).register_parameter(
             ANCHOR, AnchorParameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False))
 
+    def check_unconverted(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Refuse to run a model that `.half()`, `.to(dtype)` or `.to(device)` reached after the
+        engine took its weights: that converted its buffers (and the anchor) but none of the weights,
+        which stay as the engine computes them."""
+        anchor = getattr(wrapped_model(self.model), ANCHOR)
+        moved = anchor.device.type != device.type or (device.index is not None and anchor.device.index != device.index)
+        if anchor.dtype != dtype or moved:
+            raise RuntimeError(
+                f"the model was converted after outcore's engine wrapped it (now {anchor.dtype} on {anchor.device}; "
+                f"the engine computes in {dtype} on {device}): .half(), .to(dtype) and .to(device) reach its "
+                "buffers but not the weights the engine holds. Choose the compute dtype with Config(dtype=...) and "
+                "the device with Engine(device=...), and build the engine again from the model before conversion.")
+
     def guard_state_dict(self) -> None:
         """Put `guard` on every module that owns a parameter the engine took."""
         owners = {id(m): m for u in self.units for slot in u.plan.slots for m, _ in slot.places}

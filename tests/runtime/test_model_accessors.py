@@ -166,3 +166,21 @@ def test_a_model_an_engine_holds_is_refused_by_a_second_engine_and_says_so_after
     with pytest.raises(ValueError, match="already wrapped"):
         outcore.Engine(model, again)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double()])
+def test_a_model_converted_after_wrapping_is_refused_at_its_next_forward(tmp_path, convert):
+    """Before, .half() converted the buffers and the anchor and left the weights in fp32: the
+    model ran on, mixed, without a word."""
+    model, engine = engine_for(tmp_path, stage=3, offload_params="nvme", offload_optimizer="nvme")
+    x, y = batches(1, batch=2, vocab=128)[0]
+    with torch.no_grad():
+        before = engine(x, y)
+        engine.module.to("cpu").float()  # where it already is, as it already is: no change
+        assert torch.equal(engine(x, y), before)
+        convert(engine.module)
+        for run in (lambda: engine(x, y), lambda: engine.module(x, y)):
+            with pytest.raises(RuntimeError, match=r"converted after outcore's engine wrapped it .* the engine "
+                                                   r"computes in torch.float32 on cpu.*Config\(dtype=...\)"):
+                run()
+    engine.close()
