@@ -67,7 +67,8 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     disk, say) removes what it wrote and leaves the previous checkpoints as they were."""
     if not is_tag(tag) or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
-    _check_client_state(progress["client_state"])
+    client_state = {} if progress.get("client_state") is None else progress["client_state"]
+    _check_client_state(client_state)
     _refuse_a_file_in_the_way(directory)
     sm.settle()
     final = os.path.join(directory, tag)
@@ -88,7 +89,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
                     "hf_generation_config": progress.get("hf_generation_config"),
-                    "client_state": progress["client_state"], "files": dict(crcs)}
+                    "client_state": client_state, "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
         if sm.group.rank == 0:

@@ -333,8 +333,7 @@ class Engine:
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict(), "client_state": {} if client_state is None else client_state,
-                    **hf_settings(self.model)}
+                    "config": self.config.to_dict(), "client_state": client_state, **hf_settings(self.model)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

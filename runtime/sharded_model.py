@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Iterator
@@ -108,17 +109,22 @@ class ShardedModel:
     def settle(self) -> None:
         self.updates.drain()
 
+    @functools.cached_property
+    def _anchor_owner(self) -> nn.Module:
+        """The model itself: the root, or under peft the base model, whose `generate()` reads its own
+        device from its parameters."""
+        return wrapped_model(self.model)
+
     def anchor(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Register the zero-size parameter of `ANCHOR` on the model itself: the root, or under peft
-        the base model, whose `generate()` reads its own device from its parameters."""
-        wrapped_model(self.model).register_parameter(
+        """Register the zero-size parameter of `ANCHOR` on `_anchor_owner`."""
+        self._anchor_owner.register_parameter(
             ANCHOR, AnchorParameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False))
 
     def check_unconverted(self, device: torch.device, dtype: torch.dtype) -> None:
         """Refuse to run a model that `.half()`, `.to(dtype)` or `.to(device)` reached after the
         engine took its weights: that converted its buffers (and the anchor) but none of the weights,
         which stay as the engine computes them."""
-        anchor = getattr(wrapped_model(self.model), ANCHOR)
+        anchor = self._anchor_owner.get_parameter(ANCHOR)  # looked up each time: a conversion may replace it
         moved = anchor.device.type != device.type or (device.index is not None and anchor.device.index != device.index)
         if anchor.dtype != dtype or moved:
             raise RuntimeError(

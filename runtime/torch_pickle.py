@@ -56,11 +56,14 @@ def tensor_extents(file: str) -> dict[str, Extent]:
         state = _StateDictUnpickler(archive.open(pickled)).load()
         if not isinstance(state, dict):
             raise ValueError(f"it holds a {type(state).__name__}, not a state dict")
-        out = {}
+        out, entries = {}, {}  # entries: where each storage's bytes begin, read once (tied names share one)
         for name, tensor in state.items():
             if not isinstance(tensor, _Tensor):
                 raise ValueError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
-            out[str(name)] = tensor.extent(name, _data_offset(archive, raw, f"{prefix}data/{tensor.storage.key}"))
+            key = tensor.storage.key
+            if key not in entries:
+                entries[key] = _data_offset(archive, raw, f"{prefix}data/{key}")
+            out[str(name)] = tensor.extent(name, entries[key])
         return out
 
 

@@ -26,7 +26,7 @@ from outcore.offload.owned_dir import OwnedDir
 from outcore.runtime.materialize import deferred_init
 from outcore.tools.gpt import PRESETS, GPTConfig
 from outcore.tools.model_source import resolve_model
-from outcore.tools.report import check_writable, peak_rss, write_json
+from outcore.tools.report import check_json_argument, peak_rss, write_json
 from outcore.tools.units import human_bytes, parse_size, positive_int
 
 WARM_UP = 0.1  # share of the steps left out of the fit
@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nvme-dir")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    check_json_argument(p, a.json)  # before a run that may take hours
     try:
-        if a.json:  # before a run that may take hours
-            check_writable(a.json, "--json")
         res = soak(steps=a.steps, preset=a.preset, seq=a.seq, batch=a.batch, offload=a.offload,
                    host_budget=a.host_budget, samples=a.samples, nvme_dir=a.nvme_dir)
     except ValueError as e:  # a setting the engine refuses: one line and exit 2, as argparse's own
