@@ -18,13 +18,14 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G") from None
-    if unit not in _BINARY or value < 0:
+    if unit not in _BINARY or not math.isfinite(value) or value < 0:
         raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G")
     return int(value * _BINARY[unit])
 
 
 _COUNT_UNITS = (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))  # as counts are written
 _COUNT = {**dict(_COUNT_UNITS), "G": 10**9}  # and read: G too, for billions
+_MOST_PARAMETERS = 10**15  # a thousand times the largest models trained; beyond it a count is a typo
 
 
 def parse_count(text: str) -> int:
@@ -35,9 +36,14 @@ def parse_count(text: str) -> int:
         value = float(s[: len(s) - len(unit)])
     except ValueError:
         raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B")
     if value <= 0:
         raise ValueError(f"{text!r}: a parameter count must be positive")
-    return int(value * _COUNT[unit])
+    count = int(value * _COUNT[unit])
+    if count > _MOST_PARAMETERS:
+        raise ValueError(f"{text!r}: a parameter count of at most {human_count(_MOST_PARAMETERS)}")
+    return count
 
 
 def human_count(n: float) -> str:
@@ -58,8 +64,8 @@ def parse_list(text: str, parse=int) -> list:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
