@@ -92,7 +92,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  seed: int = 0, weights: str | os.PathLike | None = None) -> None:
-        check_arguments(model, config, optimizer)
+        check_arguments(model, config, optimizer, seed)
         self.config, self.model = config, model
         self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)

@@ -32,9 +32,13 @@ from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.units import UnitPlan, plan_layout
 
+SEEDS = range(2**32)
+"""The seeds the engine takes: those numpy and Hugging Face's `set_seed` take, so that each
+unit's seed derived from one stays within torch's range."""
 
-def check_arguments(model: Any, config: Any, optimizer: Any) -> None:
-    """The engine's three arguments are of the kinds it takes; the usual mix-ups from DeepSpeed and
+
+def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:
+    """The engine's arguments are of the kinds it takes; the usual mix-ups from DeepSpeed and
     plain PyTorch are each one TypeError saying what to pass instead."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Engine(model, ...): the model given ({_kind(model)}) is not a torch.nn.Module.")
@@ -48,6 +52,10 @@ def check_arguments(model: Any, config: Any, optimizer: Any) -> None:
                         "outcore.AdamW(lr=..., betas=..., eps=..., weight_decay=...) with the settings you want; "
                         "for a schedule set engine.lr before each step (a torch LR scheduler would not reach the "
                         "engine).")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"Engine(..., seed=...): the seed given ({_kind(seed)}) is not an int.")
+    if seed not in SEEDS:
+        raise ValueError(f"Engine(..., seed={seed}): a seed is a whole number from 0 to 2**32 - 1.")
 
 
 def _kind(value: Any) -> str:

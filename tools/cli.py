@@ -23,6 +23,7 @@ from outcore.tools.units import (
     parse_size,
     positive_float,
     positive_int,
+    seed_number,
 )
 
 T = TypeVar("T")
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=seed_number, default=0)
     t.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                    help="how long a collective waits for a stalled rank before every rank stops (default 600)")
     t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")

@@ -81,6 +81,11 @@ def non_negative_int(text: str) -> int:
     return _ranged(text, int, lambda v: v >= 0, "a whole number of at least 0")
 
 
+def seed_number(text: str) -> int:
+    """An argparse type: a seed as `outcore.Engine` takes it, 0 to 2**32 - 1."""
+    return _ranged(text, int, lambda v: 0 <= v < 2**32, "a whole number from 0 to 2**32 - 1")
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     return _ranged(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0")

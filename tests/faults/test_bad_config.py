@@ -147,3 +147,21 @@ def test_arguments_of_the_wrong_kind_are_one_type_error_saying_what_to_pass(argu
         outcore.Engine(*arguments(model))
     assert "\n" not in str(e.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model is as it was
+
+
+@pytest.mark.parametrize("seed, error, words", [
+    (2**32, ValueError, r"seed=4294967296\): a seed is a whole number from 0 to 2\*\*32 - 1"),
+    (-1, ValueError, r"seed=-1\): a seed is a whole number"),
+    (1.5, TypeError, r"the seed given \(float\) is not an int"),
+    (True, TypeError, r"the seed given \(bool\) is not an int"),
+])
+def test_a_seed_out_of_range_is_refused_before_anything_is_built(seed, error, words):
+    """Each unit's seed is derived from this one; before, 2**70 was an overflow in torch.manual_seed
+    halfway through materializing the model."""
+    with pytest.raises(error, match=words):
+        outcore.Engine(torch.nn.Sequential(torch.nn.Linear(8, 8)), Config(), seed=seed)
+
+
+def test_the_largest_seed_trains():
+    engine = outcore.Engine(torch.nn.Sequential(torch.nn.Linear(8, 8)), Config(), seed=2**32 - 1)
+    engine.close()
