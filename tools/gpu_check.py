@@ -187,14 +187,16 @@ def throughput(device: torch.device, preset: str, nvme_dir: str, *, offload: str
         engine = runtime.Engine(model, conf, runtime.AdamW(lr=1e-4), init_fn=init_fn(cfg), device=device)
         g = torch.Generator().manual_seed(0)
         times = []
+        if device.type == "cuda":  # this run's peak, not an earlier part's
+            torch.cuda.reset_peak_memory_stats(device)
         for i in range(steps + 1):
             t = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g).to(device)
-            torch.cuda.synchronize(device)
+            _synchronize(device)
             t0 = time.perf_counter()
             engine.backward(engine(t[:, :-1], t[:, 1:]))
             engine.step()
             engine.synchronize()
-            torch.cuda.synchronize(device)
+            _synchronize(device)
             if i:  # the first step records the unit order
                 times.append(time.perf_counter() - t0)
         stats = engine.stats()
@@ -205,7 +207,13 @@ def throughput(device: torch.device, preset: str, nvme_dir: str, *, offload: str
     achieved = flops_per_token * tokens / step
     return {"preset": preset, "params": cfg.params, "offload": offload, "batch": batch, "seq": cfg.seq,
             "step_s": step, "tokens_per_s": tokens / step, "model_TFLOPS": achieved / 1e12, "MFU": achieved / peak,
-            "peak_rss_gpu_bytes": torch.cuda.max_memory_allocated(device), "bytes_read": stats["bytes_read"]}
+            "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "bytes_read": stats["bytes_read"]}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def largest_fitting(memory_bytes: int) -> str:
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"  {preset} ({human_count(r['params'])}, states on {offload}): {r['tokens_per_s']:,.0f} tok/s, "
               f"{r['model_TFLOPS']:.1f} TFLOPS, MFU {r['MFU']:.1%}, GPU peak "
-              f"{human_bytes(r['peak_rss_gpu_bytes'])}", flush=True)
+              f"{human_bytes(r['gpu_peak_allocated_bytes'])}", flush=True)
     result["seconds"] = time.perf_counter() - t0
     result["ok"] = bool(not result.get("errors") and (tests or {}).get("ok", True)
                         and all(r["ok"] for r in rows or []) and (overlap or {}).get("ok", False))

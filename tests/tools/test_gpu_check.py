@@ -24,6 +24,17 @@ def test_parity_compares_the_engine_with_plain_pytorch(tmp_path):
     assert all(r["worst_relative"] < 1e-5 and len(r["losses"]) == 2 for r in rows)
 
 
+def test_the_throughput_run_trains_through_nvme_and_counts_its_tokens(tmp_path):
+    """The part of the kit a GPU runs longest, run here on the CPU with the smallest preset."""
+    got = gpu_check.throughput(torch.device("cpu"), "tiny", str(tmp_path), offload="nvme", steps=2, batch=2,
+                               peak=1e12)
+    assert got["preset"] == "tiny" and got["offload"] == "nvme" and got["gpu_peak_allocated_bytes"] is None
+    assert got["tokens_per_s"] == pytest.approx(2 * got["seq"] / got["step_s"])
+    assert got["MFU"] == pytest.approx(got["model_TFLOPS"] * 1e12 / 1e12)
+    assert got["bytes_read"] > got["params"] * 2  # the parameters and optimizer states came from the swap file
+    assert list(tmp_path.iterdir()) == []  # its swap files went with it
+
+
 def test_the_largest_preset_that_fits():
     assert gpu_check.largest_fitting(128 << 30) == "gpt-3b"  # 3.1B x 18 B < 64 GiB < 6.6B x 18 B
     assert gpu_check.largest_fitting(16 << 30) == "gpt-350m"
@@ -50,7 +61,8 @@ def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch
         seen.append(preset)
         if preset == "gpt-1b":
             raise MemoryError("the stand-in ran out")
-        return {"params": 3e9, "tokens_per_s": 1000.0, "model_TFLOPS": 100.0, "MFU": 0.11, "peak_rss_gpu_bytes": 1}
+        return {"params": 3e9, "tokens_per_s": 1000.0, "model_TFLOPS": 100.0, "MFU": 0.11,
+                "gpu_peak_allocated_bytes": 1}
 
     monkeypatch.setattr(gpu_check, "throughput", throughput)
     monkeypatch.setattr(gpu_check, "largest_fitting", lambda memory: "gpt-3b")
