@@ -6,14 +6,28 @@ import os
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    Gemma2Config,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 
 import outcore
 
 VOCAB = 96
 
 
-def config(kind: str) -> transformers.PretrainedConfig:
+def config(kind: str, *, dropout: float = 0.0) -> transformers.PretrainedConfig:
+    """A tiny config of `kind`; `dropout` is OPT's (the others train without any, for parity)."""
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if kind == "llama-tied":
@@ -33,13 +47,29 @@ def config(kind: str) -> transformers.PretrainedConfig:
                              attention_dropout=0.0)
     if kind == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    # Other layouts of a decoder: a sliding window, soft-capped logits and tied embeddings, a fused
+    # qkv projection, learned positions (OPT's offset by 2), ALiBi instead of rotary tables
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=8)
+    if kind == "gemma2":
+        return Gemma2Config(**common, head_dim=8)
+    if kind == "phi3":
+        return Phi3Config(**common, pad_token_id=0)
+    if kind == "opt":
+        return OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=64, word_embed_proj_dim=32, dropout=dropout)
+    if kind == "falcon":
+        return FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            new_decoder_architecture=True, num_kv_heads=2)
+    if kind == "bloom":
+        return BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
     raise ValueError(kind)
 
 
-def save_model(kind: str, directory: str, **save_kw) -> str:
+def save_model(kind: str, directory: str, *, dropout: float = 0.0, **save_kw) -> str:
     """A randomly initialized model of `kind`, saved with `save_pretrained`; returns the directory."""
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config(kind)).save_pretrained(directory, **save_kw)
+    AutoModelForCausalLM.from_config(config(kind, dropout=dropout)).save_pretrained(directory, **save_kw)
     return directory
 
 

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import outcore
 from outcore.runtime.hf_model import hf_checkpointing
 
-KINDS = ["llama-tied", "llama", "qwen2", "gpt2", "gpt_neox", "mixtral"]
+KINDS = ["llama-tied", "llama", "qwen2", "gpt2", "gpt_neox", "mixtral", "mistral", "gemma2", "phi3", "opt", "falcon",
+         "bloom"]
 HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
