@@ -54,6 +54,7 @@ from outcore.runtime.trace import Trace
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
 from outcore.runtime.vertical import (
+    RandomDraws,
     SavedActivations,
     VerticalBatch,
     batch_loss,
@@ -134,6 +135,7 @@ class Engine:
                                     state_dict_keys)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._batch: VerticalBatch | None = None  # a train_batch in flight
+        self._random_draws = RandomDraws(self.device)
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
@@ -243,7 +245,8 @@ class Engine:
         backward for all K (runtime/vertical.py [Note: vertical schedule]). Each micro-batch is a
         tuple of forward arguments, a dict of keyword arguments or one tensor; the model returns
         the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
-        equals K forward/backward calls and a step with `grad_accumulation=K`. Returns `step()`'s
+        equals K forward/backward calls and a step with `grad_accumulation=K` (for a model that
+        draws no random numbers: [Note: random draws]). Returns `step()`'s
         stats plus "losses" (K floats)."""
         count = micro_batch_count(micro_batches)
         if self.gradients.micro:
@@ -266,7 +269,7 @@ class Engine:
         try:
             with checkpointed(blocks, self.model), torch.enable_grad():
                 self.phase = Phase.FORWARD
-                with saved.hooks():
+                with saved.hooks(), self._random_draws.watch(count):
                     losses = self._batch.turns.run(forward)
                 self.phase = Phase.BACKWARD
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()

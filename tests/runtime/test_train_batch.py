@@ -229,3 +229,65 @@ def test_half_precision_gradients_are_summed_in_fp32_as_accumulation_does(tmp_pa
     assert_same_weights(ref, ours, tol=1e-5)
     ref.close()
     ours.close()
+
+
+def opt_engine(tmp_path, name, directory, accum=1):
+    cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / name),
+                         grad_accumulation=accum, grad_clip=None, dtype="fp32")
+    return outcore.Engine(deferred(directory), cfg, outcore.AdamW(lr=1e-3), weights=directory)
+
+
+def test_dropout_in_one_micro_batch_equals_a_plain_step_as_recomputation_replays_the_masks(tmp_path):
+    """OPT applies dropout (0.1 here) in every layer; train_batch recomputes each layer in backward,
+    which must draw the forward's masks again for the gradients to be right."""
+    from transformers import AutoModelForCausalLM
+
+    directory = save_model("opt", str(tmp_path / "opt"), dropout=0.1)
+    data = token_batches(3, batch=2, seq=12)
+    plain = AutoModelForCausalLM.from_pretrained(directory).train()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    ours = opt_engine(tmp_path, "ours", directory)
+    for i, ids in enumerate(data):
+        torch.manual_seed(10 + i)
+        loss = plain(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(10 + i)
+        assert ours.train_batch([{"input_ids": ids, "labels": ids}])["losses"] == [pytest.approx(loss.item(), rel=1e-6)]
+    weights = ours.full_state_dict()
+    # assert_same_weights's tolerances: k_proj's bias has no true gradient, only rounding noise
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    ours.close()
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_dropout_across_micro_batches_is_said_once_and_reproducible_for_a_seed(tmp_path, caplog, dropout):
+    directory = save_model("opt", str(tmp_path / "opt"), dropout=dropout)
+    data = [{"input_ids": ids, "labels": ids} for ids in token_batches(2 * K, batch=2, seq=12)]
+
+    def run(name):
+        engine = opt_engine(tmp_path, name, directory)
+        torch.manual_seed(5)
+        losses = engine.train_batch(data[:K])["losses"] + engine.train_batch(data[K:])["losses"]
+        weights = engine.full_state_dict()
+        engine.close()
+        return losses, weights
+
+    with caplog.at_level("WARNING", logger="outcore.runtime.vertical"):
+        first, first_weights = run("first")
+    said = [r for r in caplog.records if "draws random numbers in its forward" in r.getMessage()]
+    assert len(said) == (1 if dropout else 0)  # once per engine, for its two batches
+    second, second_weights = run("second")
+    assert second == first and all(torch.equal(second_weights[k], v) for k, v in first_weights.items())
+    if not dropout:  # nothing random: the numbers of K backward() calls
+        ref = opt_engine(tmp_path, "ref", directory, accum=K)
+        ref_losses = []
+        for batch in data:
+            loss = ref(**batch).loss
+            ref.backward(loss)
+            ref.step()
+            ref_losses.append(loss.item())
+        assert_losses_match(first, ref_losses, rel=1e-5)
+        ref.close()
