@@ -22,6 +22,7 @@ from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
+SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit's seed from it stays in torch's range
 
 
 @dataclass

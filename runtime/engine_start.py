@@ -21,7 +21,7 @@ from torch import nn
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
-from outcore.runtime.config import Config
+from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.hf_model import lora_init
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
@@ -31,10 +31,6 @@ from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
 from outcore.runtime.units import UnitPlan, plan_layout
-
-SEEDS = range(2**32)
-"""The seeds the engine takes: those numpy and Hugging Face's `set_seed` take, so that each
-unit's seed derived from one stays within torch's range."""
 
 
 def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:

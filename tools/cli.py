@@ -9,13 +9,14 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from outcore.runtime.config import MIN_SUB_GROUP_SIZE
+from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
 from outcore.runtime.policy import OFFLOADS
 from outcore.tools.interrupts import Interrupted, handle_signals
 from outcore.tools.presets import PRESETS
 from outcore.tools.units import (
     human_bytes,
     human_count,
+    int_in,
     non_negative_float,
     non_negative_int,
     parse_count,
@@ -23,7 +24,6 @@ from outcore.tools.units import (
     parse_size,
     positive_float,
     positive_int,
-    seed_number,
 )
 
 T = TypeVar("T")
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
-    t.add_argument("--seed", type=seed_number, default=0)
+    t.add_argument("--seed", type=int_in(SEEDS), default=0)
     t.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                    help="how long a collective waits for a stalled rank before every rank stops (default 600)")
     t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")

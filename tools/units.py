@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 _BINARY = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
            "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
@@ -17,7 +18,7 @@ def parse_size(text: str) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G") from None
+        value = math.nan
     if unit not in _BINARY or not math.isfinite(value) or value < 0:
         raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G")
     return int(value * _BINARY[unit])
@@ -35,7 +36,7 @@ def parse_count(text: str) -> int:
     try:
         value = float(s[: len(s) - len(unit)])
     except ValueError:
-        raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B") from None
+        value = math.nan
     if not math.isfinite(value):
         raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B")
     if value <= 0:
@@ -81,9 +82,12 @@ def non_negative_int(text: str) -> int:
     return _ranged(text, int, lambda v: v >= 0, "a whole number of at least 0")
 
 
-def seed_number(text: str) -> int:
-    """An argparse type: a seed as `outcore.Engine` takes it, 0 to 2**32 - 1."""
-    return _ranged(text, int, lambda v: 0 <= v < 2**32, "a whole number from 0 to 2**32 - 1")
+def int_in(values: range) -> Callable[[str], int]:
+    """An argparse type: an integer in `values`."""
+    def parse(text: str) -> int:
+        return _ranged(text, int, lambda v: v in values, f"a whole number from {values.start} to {values.stop - 1}")
+
+    return parse
 
 
 def positive_float(text: str) -> float:
