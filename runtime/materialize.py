@@ -58,8 +58,12 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
     peft's LoRA layers are initialized as peft does it (`reset_lora_parameters`, with `lora_init`,
     the adapter config's `init_lora_weights`): A like a linear layer, B zero, so that the adapted
     model starts as the base model."""
+    modules = _unit_modules(plan, model, in_units)
+    lora_layers = [m for m in modules if init_fn is None and _is_lora_layer(m)]
+    lora_dicts = {d for m in lora_layers for parts in _lora_parts(m).values() for d in parts
+                  if isinstance(d, nn.ParameterDict)}
     fresh = []
-    for m in _unit_modules(plan, model, in_units):
+    for m in modules:
         names = [n for n in meta_parameters(m) if not loaded(m, n)]
         for name in names:
             p = m._parameters[name]
@@ -78,17 +82,39 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 reset()
             elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
                 reset()
-            else:
+            elif type(m).__module__.startswith("peft."):
+                raise ValueError(f"{type(m).__name__}: peft computes this adapter part from the base weights as it "
+                                 "wraps the model (DoRA's magnitude), and a model built under deferred_init() has "
+                                 "none yet. Build the model with its weights (from_pretrained) before "
+                                 "get_peft_model, or train plain LoRA (use_dora=False).")
+            elif m not in lora_dicts:  # (an embedding's adapter factors: its LoRA layer's reset, below)
                 raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
                                  "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
                                  "weights= to load it.")
-        for m in _unit_modules(plan, model, in_units):
-            reset_lora = getattr(m, "reset_lora_parameters", None)
-            lora_a = getattr(m, "lora_A", None)
-            if init_fn is None and callable(reset_lora) and isinstance(lora_a, nn.ModuleDict):
-                for adapter, layer in lora_a.items():
-                    if any(c in fresh for c in layer.modules()):
-                        reset_lora(adapter, lora_init)
+        for m in lora_layers:
+            for adapter, parts in _lora_parts(m).items():
+                if any(c in fresh for part in parts for c in part.modules()):
+                    m.reset_lora_parameters(adapter, lora_init)
+
+
+def _is_lora_layer(m: nn.Module) -> bool:
+    return callable(getattr(m, "reset_lora_parameters", None)) and isinstance(getattr(m, "lora_A", None),
+                                                                               nn.ModuleDict)
+
+
+def _lora_parts(layer: nn.Module) -> dict[str, list[nn.Module]]:
+    """A peft LoRA layer's adapters and the modules that hold their factors: `lora_A[adapter]` of a
+    linear layer, the `lora_embedding_A/B` parameter dicts of an embedding."""
+    parts: dict[str, list[nn.Module]] = {}
+    for name in ("lora_A", "lora_embedding_A", "lora_embedding_B"):
+        holder = getattr(layer, name, None)
+        if isinstance(holder, nn.ModuleDict):
+            for adapter, module in holder.items():
+                parts.setdefault(adapter, []).append(module)
+        elif isinstance(holder, nn.ParameterDict):
+            for adapter in holder:
+                parts.setdefault(adapter, []).append(holder)
+    return parts
 
 
 def recompute_buffers(model: nn.Module, name: str, module: nn.Module,

@@ -12,7 +12,9 @@ each from its byte range when asked for, so the model is never whole in memory.
 
 A parameter that already holds values (a LoRA adapter created outside `deferred_init()`) keeps
 them and need not be in the files. A model wrapped by peft is matched under the base model's names
-(`base_model.model.` and `.base_layer` dropped), so the base model's own files load into it.
+(`base_model.model.` and `.base_layer` dropped), so the base model's own files load into it; a
+module peft trains whole (`modules_to_save`) fills both its frozen original and its trained copy
+from the module's stored tensors, as peft copies them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -132,7 +135,11 @@ def model_name(name: str) -> str:
     """A state-dict name as the base model's own files spell it (peft's wrapping taken off)."""
     if name.startswith("base_model.model."):
         name = name[len("base_model.model."):]
-    return name.replace(".base_layer.", ".")
+    return _TRAINED_WHOLE.sub(".", name.replace(".base_layer.", "."))
+
+
+_TRAINED_WHOLE = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
+"""A peft `ModulesToSaveWrapper`'s two places for the module it wraps."""
 
 
 class PretrainedWeights:

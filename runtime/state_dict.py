@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from outcore.runtime.adapter_merge import AdapterMerge
 from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.hf_model import is_peft
@@ -45,28 +46,36 @@ def full_state_dict(sm: ShardedModel) -> dict[str, torch.Tensor]:
     return {k: values[k] for k in sm.state_dict_keys}
 
 
-def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None) -> None:
+def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None,
+           merge: AdapterMerge | None = None) -> None:
     """Stream every parameter and buffer into `path`: one safetensors file when it ends in
     `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
     config.json); written aside and moved into place, keeping other files of an existing directory
-    (runtime/export_target.py). Rank 0 writes; every rank gathers."""
+    (runtime/export_target.py). With `merge`, a peft model's adapters are merged into the base
+    model's tensors, which take its names (runtime/adapter_merge.py). Rank 0 writes; every rank
+    gathers."""
     one_file = is_one_file(path)
-    if is_peft(sm.model) and not one_file:
-        raise ValueError("a LoRA model's directory export is its adapters: export(dir, adapters_only=True) "
-                         "writes what peft.PeftModel.from_pretrained loads on the base model.")
+    if is_peft(sm.model) and not one_file and merge is None:
+        raise ValueError("a LoRA model's directory export is its adapters, export(dir, adapters_only=True), for "
+                         "peft.PeftModel.from_pretrained on the base model; or its base model with the adapters "
+                         "merged in, export(dir, merge_adapters=True), for from_pretrained alone.")
     check_export_path(path)
     sm.settle()
+    rename = merge.renamed if merge is not None else {k: k for k in sm.state_dict_keys}
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     aliases: set[str] = set()  # tied names after the first: a Hugging Face directory stores them once
     for u in sm.units:
         for slot in u.plan.slots:
+            if merge is not None and len(slot.state_dict_names) > 1:
+                _refuse_untying(slot.state_dict_names, merge)
             for name in slot.state_dict_names:
-                shapes[name] = (u.dtype, tuple(slot.shape))
-            aliases.update(slot.state_dict_names[1:])
-    buffers = sm.buffers()
+                if name in rename:
+                    shapes[rename[name]] = (u.dtype, tuple(slot.shape))
+            aliases.update(rename[n] for n in slot.state_dict_names[1:] if n in rename)
+    buffers = {rename[k]: b for k, b in sm.buffers().items() if k in rename}
     for name, b in buffers.items():
         shapes[name] = (b.dtype, tuple(b.shape))
-    keys = [k for k in sm.state_dict_keys if one_file or k not in aliases]
+    keys = [rename[k] for k in sm.state_dict_keys if k in rename and (one_file or rename[k] not in aliases)]
     wanted = set(keys)
     with ExitStack() as rank0:
         writer: SafetensorsWriter | ShardedSafetensorsWriter | None = None
@@ -77,7 +86,8 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
             writer = (SafetensorsWriter(target, entries, metadata) if one_file
                       else ShardedSafetensorsWriter(target, entries, max_shard_size, metadata))
             rank0.callback(writer.abort)
-        for name, value in _unit_tensors(sm):
+        tensors = _unit_tensors(sm) if merge is None else _merged_tensors(sm, merge)
+        for name, value in tensors:
             if writer is not None and name in wanted:
                 writer.write(name, value)
         if writer is not None:
@@ -87,6 +97,32 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
             writer.close()
             if not one_file and save_config is not None:
                 save_config(target)
+
+
+def _refuse_untying(tied: list[str], merge: AdapterMerge) -> None:
+    for name in tied:
+        if name in merge.added:
+            other = next(n for n in tied if n != name)
+            raise ValueError(f"merging adapters: {merge.renamed[name]!r} is tied to "
+                             f"{merge.renamed.get(other, other)!r}, and merging the adapters on it would untie them; "
+                             "export the adapters instead (adapters_only=True).")
+
+
+def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base-model name, CPU tensor) with the adapters merged in, a unit and its frozen sibling
+    gathered together: between them they hold a module's weight and its adapter's factors."""
+    units = sm.units
+    start = 0
+    while start < len(units):
+        end = start + 1
+        while end < len(units) and units[end].plan.module is units[start].plan.module:
+            end += 1
+        tensors = dict(_unit_tensors(sm, units[start:end]))
+        for name in tensors:
+            if name in merge.renamed:
+                yield merge.renamed[name], merge.merged(name, tensors)
+        del tensors
+        start = end
 
 
 def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> None:

@@ -1,0 +1,164 @@
+"""A peft LoRA model's tensors as its base model's, with the adapters merged into the weights they
+adapt: what `peft`'s `merge_and_unload()` followed by `save_pretrained` writes, computed one unit at
+a time so that the model is never whole in memory.
+
+[Note: merged export] peft wraps each adapted module in a tuner layer: the base module moves to
+`<module>.base_layer`, the adapter's factors sit beside it (`lora_A`, `lora_B`, or
+`lora_embedding_A/B`), and a module trained whole (`modules_to_save`) keeps its original and a copy
+per adapter. Merging reads, from the peft model's structure alone (it may be on the meta device),
+which tensor each base name comes from, which tensors are dropped, and what adds to a weight:
+`transpose(B @ A, fan_in_fan_out) * scaling` for each active adapter, and with `lora_bias` also
+`B.bias * scaling` to the bias, in the order and dtypes peft's merge uses. A module and its adapter
+sit in the same unit (the adapter is the module's child), so a unit and its frozen sibling hold all
+that a merged tensor needs. Variants whose merge is not this sum (DoRA and the other `lora_variant`s,
+convolutions, attention, trainable tokens) are refused by module name before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from outcore.runtime.hf_model import wrapped_model
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One adapter's addition to a base tensor: `transpose(b @ a) * scaling` (a weight), or
+    `b * scaling` (a bias, `a` then None). Names are the peft model's state-dict names."""
+
+    a: str | None
+    b: str
+    scaling: float
+    transpose: bool = False
+
+
+@dataclass(slots=True)
+class AdapterMerge:
+    """How each of a peft model's state-dict names becomes a base model name (`renamed`; absent when
+    the tensor is an adapter's and is dropped), and what adds to each merged base tensor."""
+
+    renamed: dict[str, str] = field(default_factory=dict)
+    added: dict[str, list[Contribution]] = field(default_factory=dict)
+
+    def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The value of the peft tensor `name` after the merge; `tensors` holds it and its adapters'
+        factors (CPU tensors the caller owns: the base tensor is changed in place)."""
+        value = tensors[name]
+        for c in self.added.get(name, ()):
+            value.add_(_delta(c, tensors))
+        return value
+
+
+def _delta(c: Contribution, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    b = tensors[c.b]
+    dtype = b.dtype
+    low = dtype in (torch.float16, torch.bfloat16)  # as peft does on CPU: the product in fp32
+    b = b.float() if low else b
+    if c.a is None:
+        delta = b * c.scaling
+    else:
+        a = tensors[c.a].float() if low else tensors[c.a]
+        product = b @ a
+        delta = (product.T if c.transpose else product) * c.scaling
+    return delta.to(dtype) if low else delta
+
+
+def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
+    """The merge of `peft_model`'s active adapters into its base model, for its state-dict `names`;
+    a ValueError naming the module where an adapter's merge is not a plain LoRA sum."""
+    from peft.tuners.lora import Embedding, Linear, LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    base = wrapped_model(peft_model)
+    prefix = next(name for name, m in peft_model.named_modules() if m is base)
+    prefix = prefix + "." if prefix else ""
+    merge = AdapterMerge()
+    moved: dict[str, str] = {}  # module path in the peft model -> the path its tensors take
+    dropped: set[str] = set()  # module paths whose tensors are adapters'
+    for path, module in peft_model.named_modules():
+        if not path.startswith(prefix) or any(a in dropped for a in _ancestors(path)):
+            continue
+        if isinstance(module, ModulesToSaveWrapper):
+            _refuse_tuner_inside(module, path, BaseTunerLayer)
+            active = list(module.active_adapters)
+            moved[f"{path}.modules_to_save.{active[0]}" if active else f"{path}.original_module"] = path
+            dropped.update(f"{path}.{n}" for n, _ in module.named_children())
+        elif isinstance(module, AuxiliaryTrainingWrapper | BaseTunerLayer) and not isinstance(module, LoraLayer):
+            raise _refused(path, prefix, type(module).__name__)
+        elif isinstance(module, LoraLayer):
+            if type(module) not in (Linear, Embedding) or module.lora_variant:
+                kind = ", ".join(type(v).__name__ for v in module.lora_variant.values()) or type(module).__name__
+                raise _refused(path, prefix, kind)
+            moved[f"{path}.base_layer"] = path
+            dropped.update(f"{path}.{n}" for n in _children(module) if n != "base_layer")
+            _plan_contributions(merge, module, path, embedding=isinstance(module, Embedding))
+    for name in names:
+        new: str | None = name
+        for ancestor in _ancestors(name):  # the innermost first: a kept copy sits inside a dropped wrapper part
+            if ancestor in moved:
+                new = moved[ancestor] + name[len(ancestor):]
+                break
+            if ancestor in dropped:
+                new = None
+                break
+        if new is None:
+            continue
+        if not new.startswith(prefix):
+            raise ValueError(f"merging adapters: {name!r} is not in the base model peft wraps ({prefix[:-1]!r}); "
+                             "only a LoRA model's tensors can be merged into its base model.")
+        merge.renamed[name] = new[len(prefix):]
+    if len(set(merge.renamed.values())) != len(merge.renamed):
+        raise ValueError("merging adapters: two of the peft model's tensors would take one base-model name; "
+                         "export the adapters instead (adapters_only=True).")
+    return merge
+
+
+def _ancestors(path: str) -> list[str]:
+    """The module paths that hold `path`, the innermost first ("a.b.c" -> "a.b", "a")."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, *, embedding: bool) -> None:
+    """What `layer` (a peft LoRA Linear or Embedding at `path`) adds to its base tensors."""
+    weight, bias = f"{path}.base_layer.weight", f"{path}.base_layer.bias"
+    for adapter in layer.active_adapters:
+        factors = layer.lora_embedding_A if embedding else layer.lora_A
+        if adapter not in factors:
+            continue
+        scaling = float(layer.scaling[adapter])
+        if embedding:
+            a, b = f"{path}.lora_embedding_A.{adapter}", f"{path}.lora_embedding_B.{adapter}"
+            merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose=True))
+            continue
+        a, b = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
+        transpose = bool(layer.fan_in_fan_out)
+        merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose))
+        if layer.lora_bias[adapter]:
+            if getattr(layer.base_layer, "bias", None) is None:
+                raise ValueError(f"merging adapters: {path!r} has lora_bias but its base layer has no bias "
+                                 "to merge it into; export the adapters instead (adapters_only=True).")
+            merge.added.setdefault(bias, []).append(Contribution(None, f"{path}.lora_B.{adapter}.bias", scaling))
+
+
+def _children(module: Any) -> list[str]:
+    return [name for name, _ in module.named_children()]  # (peft's layers are modules its types do not say are)
+
+
+def _refuse_tuner_inside(wrapper: nn.Module, path: str, tuner: type) -> None:
+    for name, m in wrapper.named_modules():
+        if isinstance(m, tuner):
+            raise ValueError(f"merging adapters: {path}.{name} is an adapter inside a module trained whole "
+                             "(modules_to_save); export the adapters instead (adapters_only=True).")
+
+
+def _refused(path: str, prefix: str, kind: str) -> ValueError:
+    return ValueError(f"merging adapters: {path[len(prefix):]!r} is a {kind} adapter, whose merge outcore does "
+                      "not compute (it merges LoRA on Linear, Conv1D and Embedding layers); export the adapters "
+                      "instead (adapters_only=True) and merge them with peft's merge_and_unload.")

@@ -1,0 +1,176 @@
+"""A LoRA model exported with its adapters merged into the base model: the tensors that peft's
+`merge_and_unload()` gives, bit for bit, under the base model's names, in a directory that
+`from_pretrained` loads alone; and the adapters whose merge is not a plain sum refused by name."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hf_models import deferred, files, save_model, token_batches
+from safetensors.torch import load_file
+from test_multirank import HERE, free_port
+from transformers import AutoModelForCausalLM
+
+import outcore
+
+peft = pytest.importorskip("peft")
+
+HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def nvme_config(tmp_path) -> outcore.Config:
+    return outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+                          grad_clip=None)
+
+
+def trained_engine(tmp_path, kind: str, lora) -> tuple[outcore.Engine, str]:
+    """A peft model of `kind` trained three steps under the engine, checked against plain peft and
+    AdamW from the same start."""
+    directory = save_model(kind, str(tmp_path / "m"))
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), lora), nvme_config(tmp_path),
+                            outcore.AdamW(**HP), weights=directory)
+    start = engine.full_state_dict()
+    for name, value in start.items():  # peft's initialization: the adapted model starts as the base model
+        if ".lora_B." in name or ".lora_embedding_A." in name:
+            assert not value.any(), name
+    train_beside_plain_peft(engine, directory, lora)  # so that every adapter's B is no longer zero
+    return engine, directory
+
+
+def train_beside_plain_peft(engine: outcore.Engine, directory: str, lora) -> None:
+    """Three steps under the engine and of plain peft with AdamW from the engine's start: equal losses."""
+    plain = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    plain.load_state_dict(engine.full_state_dict(), strict=True)
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], **HP)
+    for x in token_batches(3):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        expected = plain(input_ids=x, labels=x).loss
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
+def merged_reference(engine: outcore.Engine, directory: str, lora) -> torch.nn.Module:
+    """The engine's trained peft model built plainly, merged by peft."""
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    ref.load_state_dict(engine.full_state_dict(), strict=True)
+    return ref.merge_and_unload().eval()
+
+
+CASES = {
+    "llama-tied, q and v": ("llama-tied", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+    "llama, embedding, rsLoRA, lm_head trained whole": (
+        "llama", dict(r=4, lora_alpha=16, use_rslora=True, target_modules=["embed_tokens", "o_proj", "down_proj"],
+                      modules_to_save=["lm_head"])),
+    "gpt2, Conv1D with lora_bias": ("gpt2", dict(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
+                                                  lora_bias=True, fan_in_fan_out=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(tmp_path, case):
+    kind, options = CASES[case]
+    lora = peft.LoraConfig(lora_dropout=0.0, **options)
+    engine, directory = trained_engine(tmp_path, kind, lora)
+    ref = merged_reference(engine, directory, lora)
+    expected = ref.state_dict()
+    assert any(not torch.equal(expected[k], v) for k, v in load_file(os.path.join(directory, "model.safetensors"))
+               .items()), "the adapters changed nothing: the test would prove nothing"
+
+    out = tmp_path / "merged"
+    engine.export(str(out), merge_adapters=True, max_shard_size=40_000)
+    assert "config.json" in files(out) and "model.safetensors.index.json" in files(out)
+    stored = {}
+    for name in files(out):
+        if name.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(out, name)))
+    tied = {"lm_head.weight"} if getattr(ref.config, "tie_word_embeddings", False) else set()
+    assert set(stored) == set(expected) - tied
+    for name, value in stored.items():
+        assert torch.equal(value, expected[name]), name
+
+    back, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    x = token_batches(1, seed=9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x).logits, ref(x).logits, rtol=0, atol=0)
+
+    one_file = tmp_path / "merged.safetensors"  # every name, tied ones included
+    engine.export(str(one_file), merge_adapters=True)
+    assert load_file(str(one_file)).keys() == expected.keys()
+    engine.close()
+
+
+@pytest.mark.parametrize(("kind", "options", "message"), [
+    ("llama", dict(target_modules=["q_proj"], use_dora=True), r"'model\.layers\.0\.self_attn\.q_proj' is a DoraLinear"),
+    ("llama-tied", dict(target_modules=["lm_head"]), "'lm_head.weight' is tied to 'model.embed_tokens.weight'"),
+])
+def test_an_adapter_whose_merge_is_not_a_plain_sum_is_refused_by_name_and_nothing_is_written(tmp_path, kind, options,
+                                                                                            message):
+    directory = save_model(kind, str(tmp_path / "m"))
+    with warnings.catch_warnings():  # peft warns of an adapter on a tied weight
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), peft.LoraConfig(r=2, **options))
+    engine = outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP))  # DoRA's magnitude needs the weights
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=message):
+        engine.export(str(out), merge_adapters=True)
+    assert files(out) == ["tokenizer.json"]
+    engine.export(str(tmp_path / "adapters"), adapters_only=True)  # what the error says to do instead
+    assert "adapter_model.safetensors" in files(tmp_path / "adapters")
+    engine.close()
+
+
+def test_merge_adapters_asks_for_a_peft_model_and_not_with_adapters_only(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
+    with pytest.raises(ValueError, match="not a peft model"):
+        engine.export(str(tmp_path / "a"), merge_adapters=True)
+    with pytest.raises(ValueError, match="ask for one of them"):
+        engine.export(str(tmp_path / "b"), merge_adapters=True, adapters_only=True)
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+    engine.close()
+
+
+def test_dora_under_deferred_init_says_its_magnitude_needs_the_weights(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    model = peft.get_peft_model(deferred(directory), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match=r"DoraLinearLayer: .*DoRA's magnitude.*from_pretrained"):
+        outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
+    assert not os.listdir(tmp_path / "nvme")
+
+
+def test_dora_built_with_its_weights_trains_as_plain_peft(tmp_path):
+    """What the error above advises: the model loaded whole, then wrapped, trains as plain peft."""
+    directory = save_model("llama", str(tmp_path / "m"))
+    dora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True, lora_dropout=0.0)
+    engine = outcore.Engine(peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), dora),
+                            nvme_config(tmp_path), outcore.AdamW(**HP))
+    train_beside_plain_peft(engine, directory, dora)
+    engine.close()
+
+
+def test_two_ranks_export_the_merge_of_what_they_hold_together(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    out = str(tmp_path / "merged")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", os.path.join(HERE, "dist_merged_export.py"), directory, out,
+           str(tmp_path / "nvme")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    ref.load_state_dict(torch.load(out + ".pt", weights_only=True), strict=True)
+    expected = ref.merge_and_unload().state_dict()
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    assert stored.keys() == expected.keys()
+    for name, value in stored.items():
+        assert torch.equal(value, expected[name]), name
