@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
     t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
+    t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
+                   "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
     t.add_argument("--steps", type=positive_int, help="optimizer steps (default 300 for tiny, else 1000)")
     t.add_argument("--data", help="a UTF-8 text file, or a .jsonl of {\"text\": ...} rows "
@@ -258,7 +260,8 @@ def _train(args: argparse.Namespace) -> int:
                              "--out at the earlier run.") from None
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
-    opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora, config=args.config,
+    opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora,
+                        merge_adapters=args.merge_adapters, config=args.config,
                         steps=args.steps, data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,

@@ -66,8 +66,9 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     if not one_file and any(".lora_A." in k or ".lora_B." in k for k in meta["state_dict_keys"]):
         raise ValueError(f"checkpoint {folder!r} is of a LoRA (peft) model: a Hugging Face directory of it would "
                          "hold peft's names, which transformers does not load. Export a .safetensors file of "
-                         "every tensor instead, or take the adapters `outcore train --lora` wrote (OUT/adapters), "
-                         "or engine.export(dir, adapters_only=True).")
+                         "every tensor instead, or take the adapters `outcore train --lora` wrote (OUT/adapters); "
+                         "a merged model comes from `outcore train --lora R --merge-adapters` (OUT/model) or "
+                         "engine.export(dir, merge_adapters=True).")
     aliases = {n for unit in meta["units"] for param in unit["params"] for n in param["names"][1:]}
     entries = []
     for key in meta["state_dict_keys"]:

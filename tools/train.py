@@ -43,6 +43,7 @@ class TrainOptions:
     preset: str = "tiny"
     model: str | None = None  # a Hugging Face model directory, in place of the preset
     lora: int | None = None  # with `model`: train LoRA adapters of this rank
+    merge_adapters: bool = False  # with `lora`: also export the base model with the adapters merged in
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
@@ -225,7 +226,11 @@ def _train(opts: TrainOptions, report) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if opts.lora is not None and opts.model is None:
         raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
-    job = (hf_job(opts.model, lora=opts.lora, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed)
+    if opts.merge_adapters and opts.lora is None:
+        raise ValueError("--merge-adapters merges LoRA adapters into the model they adapt: give --model DIR and "
+                         "--lora R too.")
+    job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=opts.data, batch=opts.batch,
+                  seq=opts.seq, seed=opts.seed)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
     steps = opts.steps or job.steps

@@ -86,7 +86,8 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
                None, f"bytes of {train_set.name}", gpt.layers >= 24)
 
 
-def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, seq: int | None, seed: int) -> Job:
+def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, seq: int | None, seed: int,
+           merge: bool = False) -> Job:
     from outcore.tools.token_corpus import token_corpus
 
     source = HFModel(directory, lora)
@@ -118,9 +119,15 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
     def export(engine, out: str) -> str:
-        path = os.path.join(out, "adapters" if lora else "model")
-        engine.export(path, adapters_only=bool(lora))
-        if not lora and engine.group.rank == 0:  # (every rank exports; rank 0 writes)
+        """OUT/adapters for LoRA; OUT/model, with the tokenizer, for a full fine-tune or LoRA merged."""
+        if lora:
+            adapters = os.path.join(out, "adapters")
+            engine.export(adapters, adapters_only=True)
+            if not merge:
+                return adapters
+        path = os.path.join(out, "model")
+        engine.export(path, merge_adapters=merge)
+        if engine.group.rank == 0:  # (every rank exports; rank 0 writes)
             tokenizer.save_pretrained(path)  # the directory loads as a model of its own
         return path
 

@@ -54,9 +54,18 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     with torch.no_grad():
         assert not torch.allclose(tuned(x).logits, base(x).logits)  # the adapters changed the model
     assert "LoRA r=8" in capsys.readouterr().out
-    # Resume continues from the last checkpoint, and the checkpoint exports offline.
-    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "3e-2", "--resume")) == 0
-    assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 20
+    # Resume continues from the last checkpoint; this time the adapters are also merged into the model,
+    # which loads alone and equals peft's merge of the adapters written beside it.
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "3e-2", "--resume",
+                           "--merge-adapters")) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["start_step"] == 20 and s["exported"] == str(tmp_path / "run" / "model")
+    assert "tokenizer.json" in os.listdir(s["exported"])
+    merged = AutoModelForCausalLM.from_pretrained(s["exported"]).eval()
+    by_peft = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapters)
+    with torch.no_grad():
+        assert torch.equal(merged(x).logits, by_peft.merge_and_unload().eval()(x).logits)
+    # The checkpoint exports offline.
     checkpoints = str(tmp_path / "run" / "checkpoints")
     capsys.readouterr()
     assert main(["export", checkpoints, str(tmp_path / "merged")]) == 2  # peft names transformers cannot load
@@ -134,6 +143,7 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("no-data", "--data"),
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
+    ("merge-without-lora", "--merge-adapters merges LoRA adapters"),
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
     ("foreign-tokenizer", "but the model's vocabulary is 5 tokens (vocab_size in its config.json)"),
 ])
@@ -162,6 +172,8 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
             json.dump({**cfg, **changed[damage]}, f)
     elif damage == "seq-beyond-positions":
         args[args.index("--seq") + 1] = "128"
+    elif damage == "merge-without-lora":
+        args.append("--merge-adapters")
     elif damage == "bad-jsonl":
         with open(jsonl, "w") as f:
             f.write(json.dumps({"text": STORY}) + "\nnot json\n")
