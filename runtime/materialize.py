@@ -92,9 +92,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                                  "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
                                  "weights= to load it.")
         for m in lora_layers:
+            reset_lora = getattr(m, "reset_lora_parameters")  # noqa: B009 - a method mypy sees as a Tensor
             for adapter, parts in _lora_parts(m).items():
                 if any(c in fresh for part in parts for c in part.modules()):
-                    m.reset_lora_parameters(adapter, lora_init)
+                    reset_lora(adapter, lora_init)
 
 
 def _is_lora_layer(m: nn.Module) -> bool:
