@@ -73,7 +73,10 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
     a ValueError naming the module where an adapter's merge is not a plain LoRA sum."""
     from peft.tuners.lora import Embedding, Linear, LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+    from peft.utils import other
+
+    ModulesToSaveWrapper = other.ModulesToSaveWrapper
+    wrappers = (getattr(other, "AuxiliaryTrainingWrapper", ModulesToSaveWrapper), BaseTunerLayer)  # (peft < 0.15)
 
     base = wrapped_model(peft_model)
     prefix = next(name for name, m in peft_model.named_modules() if m is base)
@@ -89,15 +92,14 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
             active = list(module.active_adapters)
             moved[f"{path}.modules_to_save.{active[0]}" if active else f"{path}.original_module"] = path
             dropped.update(f"{path}.{n}" for n, _ in module.named_children())
-        elif isinstance(module, AuxiliaryTrainingWrapper | BaseTunerLayer) and not isinstance(module, LoraLayer):
+        elif isinstance(module, wrappers) and not isinstance(module, LoraLayer):
             raise _refused(path, prefix, type(module).__name__)
         elif isinstance(module, LoraLayer):
-            if type(module) not in (Linear, Embedding) or module.lora_variant:
-                kind = ", ".join(type(v).__name__ for v in module.lora_variant.values()) or type(module).__name__
-                raise _refused(path, prefix, kind)
+            if type(module) not in (Linear, Embedding) or _variants(module):
+                raise _refused(path, prefix, ", ".join(_variants(module)) or type(module).__name__)
             moved[f"{path}.base_layer"] = path
             dropped.update(f"{path}.{n}" for n in _children(module) if n != "base_layer")
-            _plan_contributions(merge, module, path, embedding=isinstance(module, Embedding))
+            _plan_contributions(merge, module, path, prefix, embedding=isinstance(module, Embedding))
     for name in names:
         new: str | None = name
         for ancestor in _ancestors(name):  # the innermost first: a kept copy sits inside a dropped wrapper part
@@ -125,7 +127,7 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
-def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, *, embedding: bool) -> None:
+def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, prefix: str, *, embedding: bool) -> None:
     """What `layer` (a peft LoRA Linear or Embedding at `path`) adds to its base tensors."""
     weight, bias = f"{path}.base_layer.weight", f"{path}.base_layer.bias"
     for adapter in layer.active_adapters:
@@ -140,11 +142,17 @@ def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, *, embedding
         a, b = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
         transpose = bool(layer.fan_in_fan_out)
         merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose))
-        if layer.lora_bias[adapter]:
+        if getattr(layer, "lora_bias", {}).get(adapter, False):  # (peft >= 0.14)
             if getattr(layer.base_layer, "bias", None) is None:
-                raise ValueError(f"merging adapters: {path!r} has lora_bias but its base layer has no bias "
-                                 "to merge it into; export the adapters instead (adapters_only=True).")
+                raise ValueError(f"merging adapters: {path[len(prefix):]!r} has lora_bias but its base layer has no "
+                                 "bias to merge it into; export the adapters instead (adapters_only=True).")
             merge.added.setdefault(bias, []).append(Contribution(None, f"{path}.lora_B.{adapter}.bias", scaling))
+
+
+def _variants(layer: Any) -> list[str]:
+    """The LoRA variants (DoRA, ...) `layer`'s adapters use: peft's `lora_variant`, or `use_dora` before it."""
+    variants = [type(v).__name__ for v in getattr(layer, "lora_variant", {}).values()]
+    return variants or ["DoRA" for used in getattr(layer, "use_dora", {}).values() if used][:1]
 
 
 def _children(module: Any) -> list[str]:
