@@ -14,6 +14,7 @@ import bisect
 import json
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,8 +146,9 @@ def file_corpus(path: str) -> tuple[ByteCorpus, ByteCorpus]:
             ByteCorpus([Segment(path, size - held, held)], f"{path!r} (held-out part)"))
 
 
-def documents(path: str) -> list[str]:
-    """The texts of `path`: JSONL rows' "text", or the whole file."""
+def documents(path: str, chat: Callable[[list], str] | None = None) -> list[str]:
+    """The texts of `path`: JSONL rows' "text", or a conversation's "messages" rendered by `chat`
+    (a model's chat template; None where there is no model to render them), or the whole file."""
     try:
         with open(path, encoding="utf-8") as f:
             if not path.endswith(".jsonl"):
@@ -159,12 +161,32 @@ def documents(path: str) -> list[str]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"--data {path!r} line {n} is not JSON ({e.msg}).") from e
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ValueError(f"--data {path!r} line {n} has no \"text\" string; JSONL rows look like "
-                                     '{"text": "..."}.')
-                rows.append(row["text"])
+                if isinstance(row, dict) and isinstance(row.get("text"), str):
+                    rows.append(row["text"])
+                elif isinstance(row, dict) and _is_conversation(row.get("messages")):
+                    rows.append(_rendered(row["messages"], chat, f"--data {path!r} line {n}"))
+                else:
+                    raise ValueError(f"--data {path!r} line {n} has neither a \"text\" string nor a \"messages\" "
+                                     'list; JSONL rows look like {"text": "..."} or {"messages": [{"role": "user", '
+                                     '"content": "..."}, ...]}.')
             return rows
     except OSError as e:
         raise ValueError(f"--data {path!r} cannot be read ({e.strerror}).") from e
     except UnicodeDecodeError as e:
         raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason}).") from e
+
+
+def _is_conversation(messages: object) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+
+
+def _rendered(messages: list, chat: Callable[[list], str] | None, where: str) -> str:
+    if chat is None:
+        raise ValueError(f"{where} is a conversation (\"messages\"): conversations are rendered by a model's chat "
+                         "template, so they train with `outcore train --model DIR`; give presets rows of \"text\".")
+    try:
+        return chat(messages)
+    except Exception as e:  # the template's own complaint (a role out of order), or no template at all
+        raise ValueError(f"{where}: the conversation cannot be rendered: {e}") from e

@@ -74,5 +74,5 @@ def test_a_jsonl_file_trains_on_its_rows_texts_not_its_json(tmp_path):
     for row in torch.cat([x, y[:, -1:]], 1).tolist():
         assert bytes(row) in joined and b'"text"' not in bytes(row)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
-    with pytest.raises(ValueError, match=r"line 2 has no \"text\" string"):
+    with pytest.raises(ValueError, match=r"line 2 has neither a \"text\" string nor a \"messages\" list"):
         file_corpus(str(tmp_path / "bad.jsonl"))

@@ -74,6 +74,31 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     assert any(".lora_A." in k for k in load_file(str(tmp_path / "all.safetensors")))
 
 
+CHAT = {"messages": [{"role": "user", "content": "the quick brown fox"},
+                     {"role": "assistant", "content": "jumps over the lazy dog"}]}
+TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+
+
+def test_conversations_are_rendered_by_the_models_chat_template_and_train(tmp_path, model_dir):
+    from transformers import AutoTokenizer
+
+    from outcore.tools.token_corpus import token_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    rows = [CHAT, {"text": STORY}] * 30  # conversations and plain texts may mix
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_part, held_out = token_corpus(str(path), AutoTokenizer.from_pretrained(model_dir), 16)
+    expected = []
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False) if "messages" in row else row["text"]
+        expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert torch.cat([train_part.tokens, held_out.tokens]).tolist() == expected
+    assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2")) == 0
+
+
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
     """peft's "all-linear" also wraps Mixtral's fused experts and router, bare parameters the engine
     refuses; the command line makes the adapters again on the linear modules, and says so once."""
@@ -144,6 +169,9 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
     ("merge-without-lora", "--merge-adapters merges LoRA adapters"),
+    ("chat-without-template", "line 1: the conversation cannot be rendered: the model's tokenizer has no chat"),
+    ("chat-on-a-preset", "line 1 is a conversation (\"messages\"): conversations are rendered by a model's chat"),
+    ("chat-malformed", "line 2 has neither a \"text\" string nor a \"messages\" list"),
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
     ("foreign-tokenizer", "but the model's vocabulary is 5 tokens (vocab_size in its config.json)"),
 ])
@@ -174,6 +202,12 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
         args[args.index("--seq") + 1] = "128"
     elif damage == "merge-without-lora":
         args.append("--merge-adapters")
+    elif damage.startswith("chat"):
+        rows = [{"text": STORY}, {"messages": [{"role": "user"}]}] if damage == "chat-malformed" else [CHAT]
+        with open(jsonl, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        if damage == "chat-on-a-preset":
+            args = ["train", "--data", jsonl, "--steps", "1", "--out", str(tmp_path / "run")]
     elif damage == "bad-jsonl":
         with open(jsonl, "w") as f:
             f.write(json.dumps({"text": STORY}) + "\nnot json\n")
