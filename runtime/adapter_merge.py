@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import wrapped_model
+from outcore.runtime.hf_model import is_peft, wrapped_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,26 @@ class AdapterMerge:
 
     renamed: dict[str, str] = field(default_factory=dict)
     added: dict[str, list[Contribution]] = field(default_factory=dict)
+
+    def refuse_untying(self, tied: list[str]) -> None:
+        """A ValueError where an adapter adapts one of the `tied` names (one parameter's): merging
+        it would untie them."""
+        for name in tied:
+            if name in self.added:
+                other = next(n for n in tied if n != name)
+                raise ValueError(f"merging adapters: {self.renamed[name]!r} is tied to "
+                                 f"{self.renamed.get(other, other)!r}, and merging the adapters on it would untie "
+                                 "them; export the adapters instead (adapters_only=True).")
+
+    def to_dict(self) -> dict:
+        """For a checkpoint's meta.json, from which `outcore export --merge-adapters` merges offline."""
+        return {"renamed": self.renamed,
+                "added": {k: [[c.a, c.b, c.scaling, c.transpose] for c in cs] for k, cs in self.added.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AdapterMerge:
+        return cls(dict(d["renamed"]), {k: [Contribution(a, b, float(s), bool(t)) for a, b, s, t in cs]
+                                        for k, cs in d["added"].items()})
 
     def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of the peft tensor `name` after the merge; `tensors` holds it and its adapters'
@@ -119,6 +139,17 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
         raise ValueError("merging adapters: two of the peft model's tensors would take one base-model name; "
                          "export the adapters instead (adapters_only=True).")
     return merge
+
+
+def merge_record(model: nn.Module, names: list[str]) -> dict[str, dict]:
+    """A checkpoint's record of how a peft model's adapters merge (`AdapterMerge.to_dict`), or of
+    why they cannot (`{"refused": the error}`); nothing for any other model."""
+    if not is_peft(model):
+        return {}
+    try:
+        return {"adapter_merge": adapter_merge(model, names).to_dict()}
+    except ValueError as e:
+        return {"adapter_merge": {"refused": str(e)}}
 
 
 def _ancestors(path: str) -> list[str]:

@@ -89,6 +89,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
                     "hf_generation_config": progress.get("hf_generation_config"),
+                    "adapter_merge": progress.get("adapter_merge"),
                     "client_state": client_state, "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:

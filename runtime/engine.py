@@ -34,7 +34,7 @@ from torch import nn
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.runtime.adapter_merge import adapter_merge
+from outcore.runtime.adapter_merge import adapter_merge, merge_record
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
@@ -337,7 +337,8 @@ class Engine:
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict(), "client_state": client_state, **hf_settings(self.model)}
+                    "config": self.config.to_dict(), "client_state": client_state, **hf_settings(self.model),
+                    **merge_record(self.model, self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

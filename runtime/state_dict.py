@@ -67,7 +67,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
     for u in sm.units:
         for slot in u.plan.slots:
             if merge is not None and len(slot.state_dict_names) > 1:
-                _refuse_untying(slot.state_dict_names, merge)
+                merge.refuse_untying(slot.state_dict_names)
             for name in slot.state_dict_names:
                 if name in rename:
                     shapes[rename[name]] = (u.dtype, tuple(slot.shape))
@@ -97,15 +97,6 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
             writer.close()
             if not one_file and save_config is not None:
                 save_config(target)
-
-
-def _refuse_untying(tied: list[str], merge: AdapterMerge) -> None:
-    for name in tied:
-        if name in merge.added:
-            other = next(n for n in tied if n != name)
-            raise ValueError(f"merging adapters: {merge.renamed[name]!r} is tied to "
-                             f"{merge.renamed.get(other, other)!r}, and merging the adapters on it would untie them; "
-                             "export the adapters instead (adapters_only=True).")
 
 
 def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str, torch.Tensor]]:

@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--tag", help="which tag of the checkpoint directory (default: latest)")
     x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype (default: the run's)")
     x.add_argument("--no-verify", action="store_true", help="skip the crc32 check of the rank files")
+    x.add_argument("--merge-adapters", action="store_true", help="a LoRA run's checkpoint: the model with the "
+                   "adapters merged into its weights, under its own names (from_pretrained loads it alone)")
     x.add_argument("--json", metavar="PATH")
     x.set_defaults(run=_export)
 
@@ -358,7 +360,7 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify,
-                                max_shard_size=args.max_shard_size)
+                                max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(f"wrote {res['out']}: {res['tensors']} tensors, {human_bytes(res['bytes'])}, {res['dtype']}, "

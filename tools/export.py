@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from outcore.offload import StorageCorruptError
+from outcore.runtime.adapter_merge import AdapterMerge
 from outcore.runtime.checkpoint import BUFFER_PREFIX
 from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
@@ -39,7 +42,7 @@ def read_export_meta(folder: str, *, verify: bool = True) -> dict:
 
 
 def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str | None = None,
-                      verify: bool = True, max_shard_size: int = 5_000_000_000) -> dict:
+                      verify: bool = True, max_shard_size: int = 5_000_000_000, merge_adapters: bool = False) -> dict:
     """Write every parameter and buffer of the checkpoint at `path` into one safetensors file (`out`
     ending in `.safetensors`), or into a Hugging Face directory: shards of at most `max_shard_size`
     bytes, their index, and config.json (with generation_config.json for a model that generates)
@@ -47,6 +50,8 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     name, as `save_pretrained` does).
 
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
+    `merge_adapters`: a LoRA run's base model with the adapters merged in, as meta.json records the
+    merge (runtime/adapter_merge.py); each merged tensor is computed in `dtype` from its parts.
     The output appears whole or not at all (runtime/export_target.py); other files in an existing
     directory are kept."""
     check_export_path(out)
@@ -63,23 +68,30 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     shards = CheckpointShards(folder, meta)
     buffers = shards.buffers(BUFFER_PREFIX)
     one_file = is_one_file(out)
-    if not one_file and any(".lora_A." in k or ".lora_B." in k for k in meta["state_dict_keys"]):
+    merge = _recorded_merge(folder, meta) if merge_adapters else None
+    if merge is None and not one_file and any(".lora_A." in k or ".lora_B." in k for k in meta["state_dict_keys"]):
         raise ValueError(f"checkpoint {folder!r} is of a LoRA (peft) model: a Hugging Face directory of it would "
-                         "hold peft's names, which transformers does not load. Export a .safetensors file of "
-                         "every tensor instead, or take the adapters `outcore train --lora` wrote (OUT/adapters); "
-                         "a merged model comes from `outcore train --lora R --merge-adapters` (OUT/model) or "
-                         "engine.export(dir, merge_adapters=True).")
+                         "hold peft's names, which transformers does not load. Add --merge-adapters for the model "
+                         "with its adapters merged in, or export a .safetensors file of every tensor, or take the "
+                         "adapters `outcore train --lora` wrote (OUT/adapters).")
+    names = merge.renamed if merge is not None else {k: k for k in meta["state_dict_keys"]}
     aliases = {n for unit in meta["units"] for param in unit["params"] for n in param["names"][1:]}
-    entries = []
+    if merge is not None:
+        for unit in meta["units"]:
+            for param in unit["params"]:
+                if len(param["names"]) > 1:
+                    merge.refuse_untying(param["names"])
+    entries, sources = [], []
     for key in meta["state_dict_keys"]:
-        if not one_file and key in aliases:
+        if key not in names or (not one_file and key in aliases):
             continue
         if key in where:
-            entries.append((key, torch_dtype(dtype), tuple(where[key][1]["shape"])))
+            entries.append((names[key], torch_dtype(dtype), tuple(where[key][1]["shape"])))
         elif key in buffers:
-            entries.append((key, buffers[key].dtype, tuple(buffers[key].shape)))
+            entries.append((names[key], buffers[key].dtype, tuple(buffers[key].shape)))
         else:
             raise StorageCorruptError(key, folder, "a state-dict key with neither a parameter layout nor a buffer")
+        sources.append(key)
     metadata = {"format": "pt", "producer": "outcore export", "step": str(meta["step"])}
     largest = 0
     with export_target(out) as tmp:
@@ -87,16 +99,18 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                   else ShardedSafetensorsWriter(tmp, entries, max_shard_size, metadata))
         try:
             last_param, last_value = None, None
-            for key, _, _ in entries:
+            for (name, _, _), key in zip(entries, sources, strict=True):
                 if key in where:
                     unit_index, param = where[key]
                     if last_value is None or last_param is not param:  # tied names share one assembled tensor
                         last_param, last_value = param, shards.parameter(unit_index, param)
                     value = last_value.to(torch_dtype(dtype))
                     largest = max(largest, last_value.numel() * 4)
+                    if merge is not None and key in merge.added:
+                        value = merge.merged(key, _merge_parts(key, value, merge, where, shards, dtype))
                 else:
                     value = buffers[key]
-                writer.write(key, value)
+                writer.write(name, value)
             writer.close()
         except BaseException:
             writer.abort()
@@ -110,3 +124,27 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
             "bytes": size, "largest_parameter_bytes": largest}
 
+
+def _recorded_merge(folder: str, meta: dict) -> AdapterMerge:
+    record = meta.get("adapter_merge")
+    if record is None:
+        lora = any(".lora_A." in k or ".lora_embedding_A." in k for k in meta["state_dict_keys"])
+        raise ValueError(f"--merge-adapters: checkpoint {folder!r} " + (
+            "was written before outcore recorded how its adapters merge; resume the run and save again, or "
+            "merge from a running engine with engine.export(dir, merge_adapters=True)." if lora
+            else "is not of a LoRA (peft) model, so it has no adapters to merge; export it without the flag."))
+    if "refused" in record:
+        raise ValueError(f"--merge-adapters: checkpoint {folder!r}: {record['refused']}")
+    return AdapterMerge.from_dict(record)
+
+
+def _merge_parts(key: str, value: torch.Tensor, merge: AdapterMerge, where: dict, shards: CheckpointShards,
+                 dtype: str) -> dict[str, torch.Tensor]:
+    """The base tensor `key` (a copy of `value`, which the merge changes in place) and the adapter
+    factors that add to it, each in `dtype`, as the engine's own export merges compute-dtype values."""
+    parts = {key: value.clone()}
+    for c in merge.added[key]:
+        for name in (c.a, c.b):
+            if name is not None:
+                parts[name] = shards.parameter(*where[name]).to(torch_dtype(dtype))
+    return parts

@@ -15,6 +15,7 @@ from test_multirank import HERE, free_port
 from transformers import AutoModelForCausalLM
 
 import outcore
+from outcore.tools.export import export_checkpoint
 
 peft = pytest.importorskip("peft")
 
@@ -104,7 +105,18 @@ def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(
     one_file = tmp_path / "merged.safetensors"  # every name, tied ones included
     engine.export(str(one_file), merge_adapters=True)
     assert load_file(str(one_file)).keys() == expected.keys()
+
+    # Offline, from a checkpoint (meta.json records the merge): the same files.
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
     engine.close()
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "offline"), merge_adapters=True, max_shard_size=40_000)
+    assert files(tmp_path / "offline") == files(out)
+    for name in files(out):
+        if name.endswith(".safetensors"):
+            offline = load_file(os.path.join(tmp_path / "offline", name))
+            assert offline.keys() == load_file(os.path.join(out, name)).keys()
+            for key, value in offline.items():
+                assert torch.equal(value, expected[key]), key
 
 
 @pytest.mark.parametrize(("kind", "options", "message"), [
@@ -126,7 +138,11 @@ def test_an_adapter_whose_merge_is_not_a_plain_sum_is_refused_by_name_and_nothin
     assert files(out) == ["tokenizer.json"]
     engine.export(str(tmp_path / "adapters"), adapters_only=True)  # what the error says to do instead
     assert "adapter_model.safetensors" in files(tmp_path / "adapters")
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
     engine.close()
+    with pytest.raises(ValueError, match=message):  # offline, the checkpoint's record says the same
+        export_checkpoint(str(tmp_path / "ckpt"), str(out), merge_adapters=True)
+    assert files(out) == ["tokenizer.json"]
 
 
 def test_merge_adapters_asks_for_a_peft_model_and_not_with_adapters_only(tmp_path):
@@ -136,8 +152,11 @@ def test_merge_adapters_asks_for_a_peft_model_and_not_with_adapters_only(tmp_pat
         engine.export(str(tmp_path / "a"), merge_adapters=True)
     with pytest.raises(ValueError, match="ask for one of them"):
         engine.export(str(tmp_path / "b"), merge_adapters=True, adapters_only=True)
-    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
     engine.close()
+    with pytest.raises(ValueError, match="is not of a LoRA"):
+        export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "c"), merge_adapters=True)
+    assert not any(os.path.exists(tmp_path / n) for n in "abc")
 
 
 def test_dora_under_deferred_init_says_its_magnitude_needs_the_weights(tmp_path):

@@ -69,7 +69,11 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     checkpoints = str(tmp_path / "run" / "checkpoints")
     capsys.readouterr()
     assert main(["export", checkpoints, str(tmp_path / "merged")]) == 2  # peft names transformers cannot load
-    assert "LoRA (peft) model" in capsys.readouterr().err and not (tmp_path / "merged").exists()
+    assert "Add --merge-adapters" in capsys.readouterr().err and not (tmp_path / "merged").exists()
+    assert main(["export", checkpoints, str(tmp_path / "merged"), "--merge-adapters"]) == 0
+    offline = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert torch.equal(offline(x).logits, merged(x).logits)
     assert main(["export", checkpoints, str(tmp_path / "all.safetensors")]) == 0
     assert any(".lora_A." in k for k in load_file(str(tmp_path / "all.safetensors")))
 
