@@ -8,7 +8,9 @@ a time so that the model is never whole in memory.
 per adapter. Merging reads, from the peft model's structure alone (it may be on the meta device),
 which tensor each base name comes from, which tensors are dropped, and what adds to a weight:
 `transpose(B @ A, fan_in_fan_out) * scaling` for each active adapter, and with `lora_bias` also
-`B.bias * scaling` to the bias, in the order and dtypes peft's merge uses. A module and its adapter
+`B.bias * scaling` to the bias, in the order peft's merge adds them. Each is computed in fp32
+(peft keeps adapters in fp32 under a bf16 or fp16 base) and rounded into the base tensor's dtype as
+peft does it: once with the sum for a Linear layer, first on its own for an Embedding. A module and its adapter
 sit in the same unit (the adapter is the module's child), so a unit and its frozen sibling hold all
 that a merged tensor needs. Variants whose merge is not this sum (DoRA and the other `lora_variant`s,
 convolutions, attention, trainable tokens) are refused by module name before anything is written.
@@ -35,6 +37,7 @@ class Contribution:
     b: str
     scaling: float
     transpose: bool = False
+    rounded: bool = False  # rounded to the base's dtype before it is added, as peft merges an Embedding's
 
 
 @dataclass(slots=True)
@@ -58,11 +61,12 @@ class AdapterMerge:
     def to_dict(self) -> dict:
         """For a checkpoint's meta.json, from which `outcore export --merge-adapters` merges offline."""
         return {"renamed": self.renamed,
-                "added": {k: [[c.a, c.b, c.scaling, c.transpose] for c in cs] for k, cs in self.added.items()}}
+                "added": {k: [[c.a, c.b, c.scaling, c.transpose, c.rounded] for c in cs]
+                          for k, cs in self.added.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> AdapterMerge:
-        return cls(dict(d["renamed"]), {k: [Contribution(a, b, float(s), bool(t)) for a, b, s, t in cs]
+        return cls(dict(d["renamed"]), {k: [Contribution(a, b, float(s), bool(t), bool(r)) for a, b, s, t, r in cs]
                                         for k, cs in d["added"].items()})
 
     def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -70,22 +74,19 @@ class AdapterMerge:
         factors (CPU tensors the caller owns: the base tensor is changed in place)."""
         value = tensors[name]
         for c in self.added.get(name, ()):
-            value.add_(_delta(c, tensors))
+            delta = _delta(c, tensors)
+            value.add_(delta.to(value.dtype) if c.rounded else delta)
         return value
 
 
 def _delta(c: Contribution, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    b = tensors[c.b]
-    dtype = b.dtype
-    low = dtype in (torch.float16, torch.bfloat16)  # as peft does on CPU: the product in fp32
-    b = b.float() if low else b
+    """In fp32 whatever the factors' dtype: added to a bf16 or fp16 base, it is rounded once, as
+    peft merges the fp32 adapters it keeps under such a base (`autocast_adapter_dtype`)."""
+    b = tensors[c.b].float()
     if c.a is None:
-        delta = b * c.scaling
-    else:
-        a = tensors[c.a].float() if low else tensors[c.a]
-        product = b @ a
-        delta = (product.T if c.transpose else product) * c.scaling
-    return delta.to(dtype) if low else delta
+        return b * c.scaling
+    product = b @ tensors[c.a].float()
+    return (product.T if c.transpose else product) * c.scaling
 
 
 def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
@@ -168,7 +169,7 @@ def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, prefix: str,
         scaling = float(layer.scaling[adapter])
         if embedding:
             a, b = f"{path}.lora_embedding_A.{adapter}", f"{path}.lora_embedding_B.{adapter}"
-            merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose=True))
+            merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose=True, rounded=True))
             continue
         a, b = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
         transpose = bool(layer.fan_in_fan_out)

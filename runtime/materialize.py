@@ -87,7 +87,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                                  "wraps the model (DoRA's magnitude), and a model built under deferred_init() has "
                                  "none yet. Build the model with its weights (from_pretrained) before "
                                  "get_peft_model, or train plain LoRA (use_dora=False).")
-            elif m not in lora_dicts:  # (an embedding's adapter factors: its LoRA layer's reset, below)
+            elif m in lora_dicts:  # an embedding's adapter factors: drawn as peft creates them (randn), then
+                for p in m.parameters():  # its LoRA layer's reset below
+                    nn.init.normal_(p)
+            else:
                 raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
                                  "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
                                  "weights= to load it.")

@@ -119,6 +119,36 @@ def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(
                 assert torch.equal(value, expected[key]), key
 
 
+def test_a_bf16_run_merges_as_peft_does_and_offline_the_same(tmp_path):
+    """peft keeps adapters in fp32 under a bf16 base and rounds a Linear's merged sum once, an
+    Embedding's delta first; an embedding's factors, drawn under deferred_init(), are peft's randn."""
+    directory = save_model("llama", str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "embed_tokens"], init_lora_weights=False)
+    config = outcore.Config(stage=3, dtype="bf16", offload_params="nvme", offload_optimizer="nvme",
+                            nvme_dir=str(tmp_path / "nvme"))
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), lora), config, outcore.AdamW(lr=1e-3),
+                            weights=directory)
+    for name, value in engine.full_state_dict().items():
+        if ".lora_embedding_" in name:  # not left as the memory they were given
+            assert torch.isfinite(value).all() and 0.8 < float(value.float().std()) < 1.25, name
+    for x in token_batches(2):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    state = engine.full_state_dict()
+    engine.export(str(tmp_path / "merged"), merge_adapters=True)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
+    engine.close()
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "offline"), merge_adapters=True)
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16), lora)
+    ref.load_state_dict(state, strict=True)
+    expected = ref.merge_and_unload().state_dict()
+    for out in ("merged", "offline"):
+        stored = load_file(str(tmp_path / out / "model.safetensors"))
+        assert stored.keys() == expected.keys()
+        for name, value in stored.items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, expected[name]), (out, name)
+
+
 @pytest.mark.parametrize(("kind", "options", "message"), [
     ("llama", dict(target_modules=["q_proj"], use_dora=True), r"'model\.layers\.0\.self_attn\.q_proj' is a DoraLinear"),
     ("llama-tied", dict(target_modules=["lm_head"]), "'lm_head.weight' is tied to 'model.embed_tokens.weight'"),
