@@ -9,8 +9,11 @@ weights and saved once as bf16 safetensors in D/model (its size is checked again
 first). Each kind then runs in its own process, so that its peak RSS is its own:
 `load` builds the engine (weights streamed into the tiers) and times it; `lora` and `full` run
 `--steps` steps of LoRA (rank 16 on every linear layer) and of full fine-tuning; `plain-lora` is
-transformers + peft with the whole model in RAM, the reference where it fits. `--checkpoint` turns on
-the model's own activation checkpointing (non-reentrant) in every kind. One JSON line per kind.
+transformers + peft with the whole model in RAM, the reference where it fits. After its steps each
+LoRA kind writes the model with its adapters merged in, timed, with the peak RSS of that alone:
+`engine.export(dir, merge_adapters=True)`, against peft's `merge_and_unload()` and `save_pretrained`.
+`--checkpoint` turns on the model's own activation checkpointing (non-reentrant) in every kind. One
+JSON line per kind.
 """
 
 from __future__ import annotations
@@ -34,6 +37,28 @@ KINDS = ("load", "lora", "full", "plain-lora")
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _restart_peak() -> None:
+    """Start the kernel's peak-RSS count (VmHWM) afresh, so that a phase's own peak can be read."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _phase_peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _merged_export(write, directory: str) -> dict:
+    """Time `write(directory)` and its own peak RSS; the directory is removed after."""
+    _restart_peak()
+    t0 = time.perf_counter()
+    write(directory)
+    seconds = time.perf_counter() - t0
+    written = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    shutil.rmtree(directory)
+    return {"merge_export_s": seconds, "merge_export_peak_rss": _phase_peak(), "merge_export_bytes": written}
 
 
 def _checkpointing(model: torch.nn.Module) -> None:
@@ -64,6 +89,7 @@ def make_model(directory: str, layers: int, hidden: int) -> str:
 
 
 def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool) -> dict:
+    merged_dir = os.path.join(os.path.dirname(scratch), "merged")
     import peft
     import transformers
 
@@ -87,7 +113,9 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
-        return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": _peak_rss()}
+        peak = _peak_rss()
+        merged = _merged_export(lambda d: model.merge_and_unload().save_pretrained(d), merged_dir)
+        return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": peak, **merged}
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -111,9 +139,11 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         engine.synchronize()
         times.append(time.perf_counter() - t0)
     s = engine.stats()
+    peak = _peak_rss()
+    merged = _merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir) if kind == "lora" else {}
     engine.close()
-    return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": _peak_rss(),
-            "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"]}
+    return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": peak,
+            "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], **merged}
 
 
 def main(argv: list[str] | None = None) -> None:
