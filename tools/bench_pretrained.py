@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -30,24 +29,16 @@ import time
 import torch
 
 from outcore.runtime.hf_model import hf_checkpointing
+from outcore.tools.report import peak_rss
 from outcore.tools.units import parse_size, positive_int
 
 KINDS = ("load", "lora", "full", "plain-lora")
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _restart_peak() -> None:
-    """Start the kernel's peak-RSS count (VmHWM) afresh, so that a phase's own peak can be read."""
+    """Start the peak-RSS count (VmHWM) afresh, so that a phase's own peak can be read."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def _phase_peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _merged_export(write, directory: str) -> dict:
@@ -58,7 +49,7 @@ def _merged_export(write, directory: str) -> dict:
     seconds = time.perf_counter() - t0
     written = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     shutil.rmtree(directory)
-    return {"merge_export_s": seconds, "merge_export_peak_rss": _phase_peak(), "merge_export_bytes": written}
+    return {"merge_export_s": seconds, "merge_export_peak_rss": peak_rss(), "merge_export_bytes": written}
 
 
 def _checkpointing(model: torch.nn.Module) -> None:
@@ -113,8 +104,9 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
-        peak = _peak_rss()
-        merged = _merged_export(lambda d: model.merge_and_unload().save_pretrained(d), merged_dir)
+        peak = peak_rss()
+        merge_and_unload = getattr(model, "merge_and_unload")  # noqa: B009 - a method mypy sees as a Tensor
+        merged = _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
         return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": peak, **merged}
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
@@ -130,7 +122,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
     t0 = time.perf_counter()
     engine = outcore.Engine(model, config, outcore.AdamW(lr=1e-4), weights=model_dir)
     load = time.perf_counter() - t0
-    load_rss = _peak_rss()
+    load_rss = peak_rss()
     times = []
     for _ in range(steps if kind != "load" else 0):
         t0 = time.perf_counter()
@@ -139,7 +131,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         engine.synchronize()
         times.append(time.perf_counter() - t0)
     s = engine.stats()
-    peak = _peak_rss()
+    peak = peak_rss()
     merged = _merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir) if kind == "lora" else {}
     engine.close()
     return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": peak,

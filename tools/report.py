@@ -21,8 +21,14 @@ def table(headers: list[str], rows: list[list], *, out=None) -> None:
 
 
 def peak_rss() -> int:
-    """This process's peak resident set size in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's own peak resident set size in bytes: Linux's VmHWM. `getrusage`'s ru_maxrss
+    is only the fallback, for a child process inherits its parent's at fork: one started by a large
+    parent (a test run, a benchmark that has just built a model) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def check_writable(path: str, flag: str, *, folder: bool = False) -> None:

@@ -1,7 +1,6 @@
 """Run by test_memory.py in its own process: train a model whose fp32 states exceed 3 GB, report peak RSS."""
 
 import json
-import resource
 import sys
 import time
 
@@ -9,6 +8,7 @@ import torch
 from torch import nn
 
 import outcore
+from outcore.tools.report import peak_rss
 
 
 class Layer(nn.Module):
@@ -53,7 +53,7 @@ def main(nvme_dir: str, d: int, layers: int, host_budget: int) -> None:
     s = engine.stats()
     engine.close()
     print(json.dumps({"params": n, "fp32_state_bytes": 12 * n, "losses": losses, "init_s": init_s,
-                      "step_s": step_s, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "step_s": step_s, "peak_rss": peak_rss(),
                       "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"],
                       "host_peak": s["host"]["peak"], "device_peak": s["device"]["peak"],
                       "nvme_bytes": s["nvme"]["bytes"]}))
