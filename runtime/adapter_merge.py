@@ -70,10 +70,13 @@ class AdapterMerge:
                                         for k, cs in d["added"].items()})
 
     def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The value of the peft tensor `name` after the merge; `tensors` holds it and its adapters'
-        factors (CPU tensors the caller owns: the base tensor is changed in place)."""
+        """The value of the peft tensor `name` after the merge, from `tensors`, which holds it and
+        its adapters' factors (CPU tensors, left as they are: a merged tensor is a new one)."""
         value = tensors[name]
-        for c in self.added.get(name, ()):
+        if name not in self.added:
+            return value
+        value = value.clone()
+        for c in self.added[name]:
             delta = _delta(c, tensors)
             value.add_(delta.to(value.dtype) if c.rounded else delta)
         return value

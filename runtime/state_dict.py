@@ -101,18 +101,25 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
 
 def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str, torch.Tensor]]:
     """(base-model name, CPU tensor) with the adapters merged in, a unit and its frozen sibling
-    gathered together: between them they hold a module's weight and its adapter's factors."""
+    gathered together: between them they hold a module's weight and its adapter's factors. The
+    tensors are views of the gathered buffers (new ones, which `full_values` gives), and only a
+    merged tensor is copied, so the peak is the two units once."""
     units = sm.units
     start = 0
     while start < len(units):
         end = start + 1
         while end < len(units) and units[end].plan.module is units[start].plan.module:
             end += 1
-        tensors = dict(_unit_tensors(sm, units[start:end]))
+        tensors: dict[str, torch.Tensor] = {}
+        for u in units[start:end]:
+            full = u.full_values().to("cpu")
+            for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True):
+                value = full[off : off + slot.numel].view(slot.shape)
+                tensors.update((name, value) for name in slot.state_dict_names)
         for name in tensors:
             if name in merge.renamed:
                 yield merge.renamed[name], merge.merged(name, tensors)
-        del tensors
+        del tensors, full, value
         start = end
 
 

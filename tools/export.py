@@ -140,9 +140,9 @@ def _recorded_merge(folder: str, meta: dict) -> AdapterMerge:
 
 def _merge_parts(key: str, value: torch.Tensor, merge: AdapterMerge, where: dict, shards: CheckpointShards,
                  dtype: str) -> dict[str, torch.Tensor]:
-    """The base tensor `key` (a copy of `value`, which the merge changes in place) and the adapter
-    factors that add to it, each in `dtype`, as the engine's own export merges compute-dtype values."""
-    parts = {key: value.clone()}
+    """The base tensor `key` (`value`) and the adapter factors that add to it, each in `dtype`, as
+    the engine's own export merges compute-dtype values."""
+    parts = {key: value}
     for c in merge.added[key]:
         for name in (c.a, c.b):
             if name is not None:
