@@ -26,12 +26,15 @@ if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
 
 
-def _unit_tensors(sm: ShardedModel, units: list[FlatUnit] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(state-dict name, CPU tensor) for every parameter, one unit gathered at a time."""
+def _unit_tensors(sm: ShardedModel, units: list[FlatUnit] | None = None, *,
+                  copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, CPU tensor) for every parameter, one unit gathered at a time. Without
+    `copy`, on CPU, the tensors are views of the unit's gathered buffer (a new one, which
+    `full_values` gives): for a caller that is done with them before it asks for the next unit."""
     for u in sm.units if units is None else units:
         full = u.full_values()
         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True):
-            value = full[off : off + slot.numel].view(slot.shape).to("cpu", copy=True)
+            value = full[off : off + slot.numel].view(slot.shape).to("cpu", copy=copy)
             for name in slot.state_dict_names:
                 yield name, value
         del full
@@ -86,7 +89,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
             writer = (SafetensorsWriter(target, entries, metadata) if one_file
                       else ShardedSafetensorsWriter(target, entries, max_shard_size, metadata))
             rank0.callback(writer.abort)
-        tensors = _unit_tensors(sm) if merge is None else _merged_tensors(sm, merge)
+        tensors = _unit_tensors(sm, copy=False) if merge is None else _merged_tensors(sm, merge)
         for name, value in tensors:
             if writer is not None and name in wanted:
                 writer.write(name, value)
@@ -101,8 +104,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
 
 def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str, torch.Tensor]]:
     """(base-model name, CPU tensor) with the adapters merged in, a unit and its frozen sibling
-    gathered together: between them they hold a module's weight and its adapter's factors. The
-    tensors are views of the gathered buffers (new ones, which `full_values` gives), and only a
+    gathered together: between them they hold a module's weight and its adapter's factors. Only a
     merged tensor is copied, so the peak is the two units once."""
     units = sm.units
     start = 0
@@ -110,16 +112,11 @@ def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str
         end = start + 1
         while end < len(units) and units[end].plan.module is units[start].plan.module:
             end += 1
-        tensors: dict[str, torch.Tensor] = {}
-        for u in units[start:end]:
-            full = u.full_values().to("cpu")
-            for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True):
-                value = full[off : off + slot.numel].view(slot.shape)
-                tensors.update((name, value) for name in slot.state_dict_names)
+        tensors = dict(_unit_tensors(sm, units[start:end], copy=False))
         for name in tensors:
             if name in merge.renamed:
                 yield merge.renamed[name], merge.merged(name, tensors)
-        del tensors, full, value
+        del tensors
         start = end
 
 
