@@ -94,7 +94,7 @@ def test_t5_train_batch_equals_accumulation(tmp_path):
     ours.close()
 
 
-def test_t5_with_lora_trains_and_generates_as_peft_does(tmp_path):
+def test_t5_with_lora_trains_and_generates_as_peft_does_and_exports_merged(tmp_path):
     """Under peft the encoder that generate() calls on its own is two wrappers deep."""
     peft = pytest.importorskip("peft")
     directory = save_t5(str(tmp_path / "t5"))
@@ -111,4 +111,10 @@ def test_t5_with_lora_trains_and_generates_as_peft_does(tmp_path):
     with torch.no_grad():
         assert torch.equal(ours.module.generate(input_ids=prompt, max_new_tokens=5, do_sample=False),
                            ref.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
+    ours.export(str(tmp_path / "merged"), merge_adapters=True)  # the tied embeddings stored once
+    merged = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ref.load_state_dict(ours.full_state_dict(), strict=True)
     ours.close()
+    by_peft = ref.merge_and_unload()
+    with torch.no_grad():
+        assert torch.equal(merged(**data[0]).logits, by_peft(**data[0]).logits)
