@@ -10,9 +10,9 @@ which tensor each base name comes from, which tensors are dropped, and what adds
 `transpose(B @ A, fan_in_fan_out) * scaling` for each active adapter, and with `lora_bias` also
 `B.bias * scaling` to the bias, in the order peft's merge adds them. Each is computed in fp32
 (peft keeps adapters in fp32 under a bf16 or fp16 base) and rounded into the base tensor's dtype as
-peft does it: once with the sum for a Linear layer, first on its own for an Embedding. A module and its adapter
-sit in the same unit (the adapter is the module's child), so a unit and its frozen sibling hold all
-that a merged tensor needs. Variants whose merge is not this sum (DoRA and the other `lora_variant`s,
+peft does it: once with the sum for a Linear layer, first on its own for an Embedding. A module and
+its adapter sit in the same unit (the adapter is the module's child), so a unit and its frozen
+sibling hold all that a merged tensor needs. Variants whose merge is not this sum (DoRA and the other `lora_variant`s,
 convolutions, attention, trainable tokens) are refused by module name before anything is written.
 """
 
@@ -83,8 +83,8 @@ class AdapterMerge:
 
 
 def _delta(c: Contribution, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """In fp32 whatever the factors' dtype: added to a bf16 or fp16 base, it is rounded once, as
-    peft merges the fp32 adapters it keeps under such a base (`autocast_adapter_dtype`)."""
+    """In fp32 whatever the factors' dtype, as peft computes it from the fp32 adapters it keeps under
+    a bf16 or fp16 base (`autocast_adapter_dtype`); `AdapterMerge.merged` rounds it."""
     b = tensors[c.b].float()
     if c.a is None:
         return b * c.scaling
@@ -112,7 +112,7 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
         if not path.startswith(prefix) or any(a in dropped for a in _ancestors(path)):
             continue
         if isinstance(module, ModulesToSaveWrapper):
-            _refuse_tuner_inside(module, path, BaseTunerLayer)
+            _refuse_tuner_inside(module, path[len(prefix):], BaseTunerLayer)
             active = list(module.active_adapters)
             moved[f"{path}.modules_to_save.{active[0]}" if active else f"{path}.original_module"] = path
             dropped.update(f"{path}.{n}" for n, _ in module.named_children())
