@@ -138,7 +138,12 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     adapters = dict(_unit_tensors(sm, [u for u in sm.units if not u.frozen]))
     if sm.group.rank != 0:
         return
-    state = get_peft_model_state_dict(peft_model, state_dict=adapters)
+    active = getattr(peft_model, "active_adapter")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
+    with sm.guard.open():  # (peft asks a module trained whole for its state_dict(): see below)
+        # Not the base embedding, which peft adds where an embedding is adapted: the base model's own
+        # files hold it, and it would mean gathering frozen units.
+        state = get_peft_model_state_dict(peft_model, state_dict=adapters, save_embedding_layers=False)
+    state.update(_trained_whole(peft_model, adapters, active))
     if not state:
         raise ValueError("the model has no adapter parameters to export; adapters_only=True is for peft models.")
     configs: dict = getattr(peft_model, "peft_config")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
@@ -146,4 +151,16 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
         os.makedirs(target)
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(target, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-        configs[getattr(peft_model, "active_adapter")].save_pretrained(target)  # noqa: B009
+        configs[active].save_pretrained(target)
+
+
+def _trained_whole(peft_model: nn.Module, adapters: dict[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
+    """The modules peft trains whole (`modules_to_save`), under the names peft saves them by (the
+    wrapper's own, `<module>.weight`). peft finds their tensors through the module's state_dict(),
+    which under the engine holds no parameters, so they are taken from `adapters` here."""
+    out = {}
+    for path, module in peft_model.named_modules():
+        if type(module).__name__ == "ModulesToSaveWrapper" and adapter in getattr(module, "modules_to_save", {}):
+            copy = f"{path}.modules_to_save.{adapter}."
+            out.update({f"{path}.{name[len(copy):]}": v for name, v in adapters.items() if name.startswith(copy)})
+    return out

@@ -106,6 +106,14 @@ def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(
     engine.export(str(one_file), merge_adapters=True)
     assert load_file(str(one_file)).keys() == expected.keys()
 
+    # The adapters alone load in peft onto the base model and give the trained model's logits.
+    engine.export(str(tmp_path / "adapters"), adapters_only=True)
+    unmerged = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    unmerged.load_state_dict(engine.full_state_dict(), strict=True)
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), str(tmp_path / "adapters"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, unmerged.eval()(x).logits, rtol=0, atol=0)
+
     # Offline, from a checkpoint (meta.json records the merge): the same files.
     engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
     engine.close()
