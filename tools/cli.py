@@ -69,6 +69,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+def _lora_targets(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-targets", type=_module_names, metavar="NAMES",
+                        help="with --lora: the modules to adapt, by name, e.g. q_proj,v_proj (default: every "
+                        "linear module)")
+
+
+_module_names = _typed(lambda text: tuple(parse_list(text, str.strip)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -91,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
     t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
+    t.add_argument("--lora-alpha", type=positive_int, metavar="A",
+                   help="with --lora: peft's lora_alpha, the adapters' scale A/R (default 2R)")
+    _lora_targets(t)
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
@@ -133,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(sized from its config.json) or module:factory")
     e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
                    "linear layer, the rest frozen (no gradient or optimizer state)")
+    _lora_targets(e)
     e.add_argument("--world-size", type=positive_int, default=1)
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
     e.add_argument("--stage", type=int, choices=(1, 2, 3))
@@ -263,7 +276,8 @@ def _train(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
     opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora,
-                        merge_adapters=args.merge_adapters, config=args.config,
+                        merge_adapters=args.merge_adapters, lora_alpha=args.lora_alpha,
+                        lora_targets=args.lora_targets, config=args.config,
                         steps=args.steps, data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
@@ -294,6 +308,8 @@ def _estimate(args: argparse.Namespace) -> int:
     layout: dict = {}
     dims: tuple[int, int, int, int] | None = None  # layers, d_model, vocab, context: for --accumulate
     try:
+        if args.lora_targets is not None and args.lora is None:
+            raise ValueError("--lora-targets names the modules LoRA adapts: give --lora R too.")
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
             dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)
@@ -302,7 +318,7 @@ def _estimate(args: argparse.Namespace) -> int:
         elif args.lora is not None:
             if not os.path.isdir(args.model):
                 raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
-            hf = HFModel(args.model, args.lora, causal_only=False)
+            hf = HFModel(args.model, args.lora, lora_targets=args.lora_targets, causal_only=False)
             units, layout = unit_layout(hf.build())
             dims = hf_dims(hf.config())
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)

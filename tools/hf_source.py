@@ -30,6 +30,8 @@ def is_hf_directory(spec: str) -> bool:
 class HFModel:
     directory: str
     lora_rank: int | None = None  # None: full fine-tuning
+    lora_alpha: int | None = None  # None: twice the rank
+    lora_targets: tuple[str, ...] | None = None  # module names peft matches; None: every linear module
     # Training packs text for a causal LM; sizing memory (`outcore estimate`) takes any model, built
     # with its LM head where transformers has one (a causal or a sequence-to-sequence LM).
     causal_only: bool = True
@@ -51,16 +53,25 @@ class HFModel:
             raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
 
     def build(self) -> nn.Module:
-        """The model, parameters on the meta device, with LoRA adapters when asked for: on every
-        linear module ("all-linear"), but not on bare parameters, which the engine cannot page."""
+        """The model, parameters on the meta device, with LoRA adapters when asked for: on the
+        modules `lora_targets` names, or every linear module ("all-linear"), but not on bare
+        parameters, which the engine cannot page."""
         import peft
 
         model = self._base()
         if self.lora_rank is None:
             return model
+        targets: str | list[str] = list(self.lora_targets) if self.lora_targets else "all-linear"
+        self._check_targets(model)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            tuned = peft.get_peft_model(model, self._lora("all-linear", model))
+            try:
+                tuned = peft.get_peft_model(model, self._lora(targets, model))
+            except ValueError as e:
+                if not self.lora_targets:
+                    raise
+                first = str(e).strip().splitlines()[0]
+                raise ValueError(f"--lora-targets {','.join(self.lora_targets)}: {first}") from e
         if parameter_adapters(tuned):
             # Under transformers 5, "all-linear" also wraps a mixture of experts' fused experts
             # and router, which are parameters, not linear modules (runtime/units.py refuses them).
@@ -77,6 +88,16 @@ class HFModel:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return tuned
 
+    def _check_targets(self, model: nn.Module) -> None:
+        """Every name in `lora_targets` names a module: peft adapts what matches and ignores the rest."""
+        names = [n for n, _ in model.named_modules() if n]
+        missing = [t for t in self.lora_targets or () if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ValueError(f"--lora-targets {','.join(self.lora_targets or ())}: no module of {self.directory!r} is "
+                             f"named {', '.join(repr(t) for t in missing)}; its linear modules are named "
+                             f"{', '.join(linear)}.")
+
     def _lora(self, targets: str | list[str], model: nn.Module) -> Any:
         import peft
         from transformers.pytorch_utils import Conv1D
@@ -85,7 +106,8 @@ class HFModel:
         seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         # GPT-2's projections are Conv1D, their weights stored transposed: peft would set this itself, warning
         transposed = any(isinstance(m, Conv1D) for m in model.modules())
-        return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * rank
+        return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
                                fan_in_fan_out=transposed, task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
 
     def _base(self) -> nn.Module:

@@ -44,6 +44,8 @@ class TrainOptions:
     model: str | None = None  # a Hugging Face model directory, in place of the preset
     lora: int | None = None  # with `model`: train LoRA adapters of this rank
     merge_adapters: bool = False  # with `lora`: also export the base model with the adapters merged in
+    lora_alpha: int | None = None  # with `lora`: peft's lora_alpha (None: twice the rank)
+    lora_targets: tuple[str, ...] | None = None  # with `lora`: the modules adapted (None: every linear one)
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
@@ -226,11 +228,12 @@ def _train(opts: TrainOptions, report) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if opts.lora is not None and opts.model is None:
         raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
-    if opts.merge_adapters and opts.lora is None:
-        raise ValueError("--merge-adapters merges LoRA adapters into the model they adapt: give --model DIR and "
-                         "--lora R too.")
+    for flag, given in (("--merge-adapters", opts.merge_adapters), ("--lora-alpha", opts.lora_alpha is not None),
+                        ("--lora-targets", opts.lora_targets is not None)):
+        if given and opts.lora is None:
+            raise ValueError(f"{flag} is a setting of LoRA adapters: give --model DIR and --lora R too.")
     job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=opts.data, batch=opts.batch,
-                  seq=opts.seq, seed=opts.seed)
+                  seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
     steps = opts.steps or job.steps

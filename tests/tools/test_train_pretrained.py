@@ -103,6 +103,20 @@ def test_conversations_are_rendered_by_the_models_chat_template_and_train(tmp_pa
     assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2")) == 0
 
 
+def test_lora_alpha_and_targets_are_peft_s_and_the_count_of_what_trains_is_too(tmp_path, model_dir, jsonl):
+    args = train_args(tmp_path, model_dir, jsonl, "--lora", "4", "--lora-alpha", "16", "--lora-targets",
+                      "q_proj,v_proj", "--steps", "2")
+    assert main(args) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    written = json.loads((tmp_path / "run" / "adapters" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], sorted(written["target_modules"])) == (4, 16, ["q_proj", "v_proj"])
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    plain = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
+    assert s["trainable_params"] == sum(p.numel() for p in plain.parameters() if p.requires_grad)
+    assert main(["estimate", "--model", model_dir, "--lora", "4", "--lora-targets", "q_proj,v_proj", "--json",
+                 str(tmp_path / "estimate.json")]) == 0
+
+
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
     """peft's "all-linear" also wraps Mixtral's fused experts and router, bare parameters the engine
     refuses; the command line makes the adapters again on the linear modules, and says so once."""
@@ -172,7 +186,9 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("no-data", "--data"),
     ("bad-jsonl", "line 2"),
     ("lora-without-model", "--model DIR"),
-    ("merge-without-lora", "--merge-adapters merges LoRA adapters"),
+    ("merge-without-lora", "--merge-adapters is a setting of LoRA adapters: give --model DIR and --lora R too."),
+    ("alpha-without-lora", "--lora-alpha is a setting of LoRA adapters"),
+    ("unknown-lora-target", "--lora-targets q_proj,nope: no module of"),
     ("chat-without-template", "line 1: the conversation cannot be rendered: the model's tokenizer has no chat"),
     ("chat-on-a-preset", "line 1 is a conversation (\"messages\"): conversations are rendered by a model's chat"),
     ("chat-malformed", "line 2 has neither a \"text\" string nor a \"messages\" list"),
@@ -206,6 +222,10 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
         args[args.index("--seq") + 1] = "128"
     elif damage == "merge-without-lora":
         args.append("--merge-adapters")
+    elif damage == "alpha-without-lora":
+        args += ["--lora-alpha", "16"]
+    elif damage == "unknown-lora-target":
+        args += ["--lora", "4", "--lora-targets", "q_proj,nope"]
     elif damage.startswith("chat"):
         rows = [{"text": STORY}, {"messages": [{"role": "user"}]}] if damage == "chat-malformed" else [CHAT]
         with open(jsonl, "w") as f:
