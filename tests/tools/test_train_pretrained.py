@@ -115,6 +115,9 @@ def test_lora_alpha_and_targets_are_peft_s_and_the_count_of_what_trains_is_too(t
     assert s["trainable_params"] == sum(p.numel() for p in plain.parameters() if p.requires_grad)
     assert main(["estimate", "--model", model_dir, "--lora", "4", "--lora-targets", "q_proj,v_proj", "--json",
                  str(tmp_path / "estimate.json")]) == 0
+    estimated = json.loads((tmp_path / "estimate.json").read_text())["model"]
+    assert estimated.endswith(f", {s['trainable_params']} trained)"), estimated  # (under 1,000: written out)
+    assert main(["estimate", "--model", model_dir, "--lora-targets", "q_proj"]) == 2
 
 
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
