@@ -34,14 +34,14 @@ from torch import nn
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.runtime.adapter_merge import adapter_merge, merge_record
+from outcore.runtime.adapter_merge import merge_record
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import hf_config_writer, hf_settings, is_peft, read_generation_config, wrapped_model
+from outcore.runtime.hf_model import hf_settings, is_peft, read_generation_config
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.hyperparameters import check_lr
 from outcore.runtime.loss_scale import LossScaler
@@ -50,7 +50,7 @@ from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
-from outcore.runtime.state_dict import export, export_adapters, full_state_dict
+from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
@@ -366,21 +366,8 @@ class Engine:
         most `max_shard_size` bytes, their index, and config.json when the model carries an HF
         config. For a peft model, `adapters_only`: its adapters, for `PeftModel.from_pretrained`;
         `merge_adapters`: its base model with the adapters merged in, as `merge_and_unload()` gives."""
-        path = os.fspath(path)
-        if adapters_only and merge_adapters:
-            raise ValueError("export: adapters_only writes the adapters alone and merge_adapters merges them into "
-                             "the base model; ask for one of them.")
-        if adapters_only:
-            export_adapters(self.sharded, path, self.model)
-            return
-        merge = None
-        if merge_adapters:
-            if not is_peft(self.model):
-                raise ValueError(f"export({path!r}, merge_adapters=True): this {type(self.model).__name__} is not a "
-                                 "peft model, so it has no adapters to merge; export it as it is.")
-            merge = adapter_merge(self.model, self.sharded.state_dict_keys)
-        export(self.sharded, path, max_shard_size=max_shard_size,
-               save_config=hf_config_writer(wrapped_model(self.model)), merge=merge)
+        export_model(self.sharded, self.model, os.fspath(path), adapters_only=adapters_only,
+                     merge_adapters=merge_adapters, max_shard_size=max_shard_size)
 
     def stats(self) -> dict[str, Any]:
         s = self.store.stats()

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from outcore.runtime.adapter_merge import AdapterMerge
+from outcore.runtime.adapter_merge import AdapterMerge, adapter_merge
 from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.hf_model import is_peft
+from outcore.runtime.hf_model import hf_config_writer, is_peft, wrapped_model
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
@@ -47,6 +47,24 @@ def full_state_dict(sm: ShardedModel) -> dict[str, torch.Tensor]:
     missing = [k for k in sm.state_dict_keys if k not in values]
     assert not missing, f"state dict keys not produced: {missing[:5]}"
     return {k: values[k] for k in sm.state_dict_keys}
+
+
+def export_model(sm: ShardedModel, model: nn.Module, path: str, *, adapters_only: bool, merge_adapters: bool,
+                 max_shard_size: int) -> None:
+    """`Engine.export`: the adapters alone, the model with its adapters merged in, or the model."""
+    if adapters_only and merge_adapters:
+        raise ValueError("export: adapters_only writes the adapters alone and merge_adapters merges them into "
+                         "the base model; ask for one of them.")
+    if adapters_only:
+        export_adapters(sm, path, model)
+        return
+    merge = None
+    if merge_adapters:
+        if not is_peft(model):
+            raise ValueError(f"export({path!r}, merge_adapters=True): this {type(model).__name__} is not a peft "
+                             "model, so it has no adapters to merge; export it as it is.")
+        merge = adapter_merge(model, sm.state_dict_keys)
+    export(sm, path, max_shard_size=max_shard_size, save_config=hf_config_writer(wrapped_model(model)), merge=merge)
 
 
 def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None,
