@@ -50,8 +50,8 @@ class AdapterMerge:
 
     def refuse_untying(self, tied: list[str]) -> None:
         """A ValueError where an adapter adapts one of the `tied` names (one parameter's): merging
-        it would untie them."""
-        for name in tied:
+        it would untie them. A parameter of one name is tied to nothing."""
+        for name in tied if len(tied) > 1 else ():
             if name in self.added:
                 other = next(n for n in tied if n != name)
                 raise ValueError(f"merging adapters: {self.renamed[name]!r} is tied to "

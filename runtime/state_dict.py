@@ -87,7 +87,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
     aliases: set[str] = set()  # tied names after the first: a Hugging Face directory stores them once
     for u in sm.units:
         for slot in u.plan.slots:
-            if merge is not None and len(slot.state_dict_names) > 1:
+            if merge is not None:
                 merge.refuse_untying(slot.state_dict_names)
             for name in slot.state_dict_names:
                 if name in rename:

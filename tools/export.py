@@ -69,7 +69,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     buffers = shards.buffers(BUFFER_PREFIX)
     one_file = is_one_file(out)
     merge = _recorded_merge(folder, meta) if merge_adapters else None
-    if merge is None and not one_file and any(".lora_A." in k or ".lora_B." in k for k in meta["state_dict_keys"]):
+    if merge is None and not one_file and _has_adapters(meta):
         raise ValueError(f"checkpoint {folder!r} is of a LoRA (peft) model: a Hugging Face directory of it would "
                          "hold peft's names, which transformers does not load. Add --merge-adapters for the model "
                          "with its adapters merged in, or export a .safetensors file of every tensor, or take the "
@@ -79,8 +79,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     if merge is not None:
         for unit in meta["units"]:
             for param in unit["params"]:
-                if len(param["names"]) > 1:
-                    merge.refuse_untying(param["names"])
+                merge.refuse_untying(param["names"])
     entries, sources = [], []
     for key in meta["state_dict_keys"]:
         if key not in names or (not one_file and key in aliases):
@@ -125,13 +124,17 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
             "bytes": size, "largest_parameter_bytes": largest}
 
 
+def _has_adapters(meta: dict) -> bool:
+    """Whether the checkpoint's model is a peft LoRA model (a linear layer's or an embedding's factors)."""
+    return any(".lora_A." in k or ".lora_embedding_A." in k for k in meta["state_dict_keys"])
+
+
 def _recorded_merge(folder: str, meta: dict) -> AdapterMerge:
     record = meta.get("adapter_merge")
     if record is None:
-        lora = any(".lora_A." in k or ".lora_embedding_A." in k for k in meta["state_dict_keys"])
         raise ValueError(f"--merge-adapters: checkpoint {folder!r} " + (
             "was written before outcore recorded how its adapters merge; resume the run and save again, or "
-            "merge from a running engine with engine.export(dir, merge_adapters=True)." if lora
+            "merge from a running engine with engine.export(dir, merge_adapters=True)." if _has_adapters(meta)
             else "is not of a LoRA (peft) model, so it has no adapters to merge; export it without the flag."))
     if "refused" in record:
         raise ValueError(f"--merge-adapters: checkpoint {folder!r}: {record['refused']}")
