@@ -10,6 +10,11 @@ The root unit (everything outside the repeated blocks) is gathered in the root's
 and released only when its own gradient is complete, or, without grad, when its forward returns.
 A module below the root that holds root parameters and is called on its own (`generate()` of an
 encoder-decoder runs `model.get_encoder()` first) gathers the root unit the same way.
+
+Under `torch.compile` every hook runs eagerly (`torch.compiler.disable`), as FSDP2's do: traced,
+the engine's bookkeeping would be guarded on (a unit's index, the pending updates), so each unit
+and step compiled again until dynamo's recompile limit, and the store's reads and waits cannot be
+traced at all. The model's own code between the hooks compiles as usual.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ class UnitHookTarget(Protocol):
     def unit_backward_start(self, unit: FlatUnit) -> None: ...
     def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None: ...
     def unit_backward_end(self, unit: FlatUnit) -> None: ...
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook`, run eagerly under torch.compile (the module docstring says why)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -97,13 +107,13 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
         if not torch.is_grad_enabled():  # no backward will come to release it (inference, generate)
             engine.unit_backward_end(unit)
 
-    handles = [module.register_forward_pre_hook(pre_forward)]
+    handles = [module.register_forward_pre_hook(_eager(pre_forward))]
     if not is_root:
-        handles.append(module.register_forward_hook(post_forward))
+        handles.append(module.register_forward_hook(_eager(post_forward)))
     else:
-        handles.append(module.register_forward_hook(root_without_grad))
+        handles.append(module.register_forward_hook(_eager(root_without_grad)))
     if unit.frozen and not is_root:
-        handles.append(module.register_forward_pre_hook(after_inputs_grads, with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(_eager(after_inputs_grads), with_kwargs=True))
     return handles
 
 
@@ -126,8 +136,8 @@ def register_root_entry_hooks(engine: UnitHookTarget, root: FlatUnit, entries: l
 
     handles = []
     for module in entries:
-        handles += [module.register_forward_pre_hook(pre_forward),
-                    module.register_forward_hook(post_forward, always_call=True)]
+        handles += [module.register_forward_pre_hook(_eager(pre_forward)),
+                    module.register_forward_hook(_eager(post_forward), always_call=True)]
     return handles
 
 

@@ -35,13 +35,16 @@ class AnchorParameter(nn.Parameter):
     """The zero-size parameter `ANCHOR`. Its `.grad` is where a plain PyTorch habit looks for the
     model's gradients (`clip_grad_norm_(model.parameters())`, `model.zero_grad()`) and finds none:
     clipping would clip nothing without a word. So reading it says once in the log what to use;
-    not where `model.to()` reads it to move it, which is no sign of that habit."""
+    not where `model.to()` reads it to move it, nor where torch's internals probe it (torch.compile
+    asks every tensor it meets whether it has a gradient): neither is a sign of that habit."""
 
     _said = False
 
     @property
     def grad(self) -> torch.Tensor | None:
-        if not AnchorParameter._said and sys._getframe(1).f_code is not _MODULE_APPLY:
+        caller = sys._getframe(1)
+        if (not AnchorParameter._said and caller.f_code is not _MODULE_APPLY
+                and not caller.f_globals.get("__name__", "").startswith("torch._")):
             AnchorParameter._said = True
             log.warning("a .grad of model.parameters() was read, but outcore's engine holds the model's weights "
                         "and gradients itself: model.parameters() yields one empty anchor, so "

@@ -1,0 +1,81 @@
+"""torch.compile of a model the engine holds: the model's own code compiles, the engine's hooks run
+eagerly, and training equals plain PyTorch's, compiled the same way. Traced, the hooks compiled
+again for every unit (dynamo guarded on the unit's index and on the pending updates) and past the
+first step, until dynamo's recompile limit."""
+
+import logging
+
+import pytest
+import torch
+from helpers import HP, assert_losses_match, train_plain, twins
+from hf_models import deferred, save_model, token_batches
+from models import TinyGPT, batches
+from transformers import AutoModelForCausalLM
+
+import outcore
+
+BACKEND = "aot_eager"  # forward and backward graphs as inductor gets them, without a C++ build
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def train_compiled(engine, model, steps, *, no_recompiles_after_first=True):
+    """`steps` of (args, kwargs) through `engine`, the model compiled in place; after the first step
+    (which sees every shape), a recompile raises."""
+    model.compile(backend=BACKEND)
+    losses = []
+    for i, (args, kwargs) in enumerate(steps):
+        with torch._dynamo.config.patch(error_on_recompile=no_recompiles_after_first and i > 0):
+            out = engine(*args, **kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog):
+    plain, model = twins(lambda: TinyGPT(tied=False))
+    data = batches(5)
+    ref = train_plain(torch.compile(plain, backend=BACKEND), data)
+    torch._dynamo.reset()  # the engine's model runs the same code objects: compile them afresh
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                            grad_clip=None)
+    engine = outcore.Engine(model, config, outcore.AdamW(**HP))
+    with caplog.at_level(logging.WARNING):
+        losses = train_compiled(engine, model, [((x, y), {}) for x, y in data])
+    assert_losses_match(losses, ref)
+    ours = engine.full_state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert "clips nothing" not in caplog.text  # torch.compile probes every tensor's .grad, the anchor's too
+    engine.close()
+
+
+def test_a_compiled_hugging_face_model_trains_as_plain_pytorch_compiled(tmp_path, caplog):
+    directory = save_model("llama", str(tmp_path / "llama"))
+    batch = token_batches(4)
+    plain = AutoModelForCausalLM.from_pretrained(directory)
+    opt = torch.optim.AdamW(plain.parameters(), **HP)
+    compiled, ref = torch.compile(plain, backend=BACKEND), []
+    for t in batch:
+        loss = compiled(input_ids=t, labels=t, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    torch._dynamo.reset()
+    model = deferred(directory)
+    engine = outcore.Engine(model, outcore.Config(stage=3, grad_clip=None), outcore.AdamW(**HP), weights=directory)
+    with caplog.at_level(logging.WARNING):
+        losses = train_compiled(engine, model, [((), {"input_ids": t, "labels": t, "use_cache": False}) for t in batch])
+        # `model.dtype` reads the anchor parameter, which a compiled function probes for a gradient
+        assert torch.compile(lambda x: x.to(model.dtype) * 2, backend=BACKEND)(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert_losses_match(losses, ref)
+    assert "clips nothing" not in caplog.text
+    engine.close()
