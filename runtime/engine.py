@@ -62,6 +62,7 @@ from outcore.runtime.vertical import (
     call_model,
     checkpointed,
     micro_batch_count,
+    uncompiled,
     views_gathered_unit,
 )
 
@@ -268,7 +269,7 @@ class Engine:
         blocks = list({id(u.plan.module): u.plan.module for u in self.units
                        if u.plan.module is not self.model}.values())
         try:
-            with checkpointed(blocks, self.model), torch.enable_grad():
+            with checkpointed(blocks, self.model), torch.enable_grad(), uncompiled(self.model):
                 self.phase = Phase.FORWARD
                 with saved.hooks(), self._random_draws.watch(count):
                     losses = self._batch.turns.run(forward)

@@ -321,6 +321,24 @@ def batch_loss(output: Any, micro_batch: Any, loss_fn: Callable[[Any, Any], torc
     return loss
 
 
+_said_uncompiled = False
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[None]:
+    """Compiled code runs eagerly inside `train_batch`, said once in the log where the model holds
+    compiled modules: dynamo cannot trace the hooks that page saved activations (it fails reading
+    `nbytes` of a tensor of symbolic shape)."""
+    global _said_uncompiled
+    if not _said_uncompiled and any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        _said_uncompiled = True
+        log.warning("train_batch runs the compiled model uncompiled (eagerly): torch.compile cannot trace the "
+                    "schedule that runs its micro-batches unit by unit. backward() accumulation runs it compiled.")
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch 2.6 and later
+    with set_stance("force_eager") if set_stance is not None else torch._dynamo.config.patch(disable=True):
+        yield
+
+
 def call_model(model: nn.Module, micro_batch: Any) -> Any:
     """A micro-batch as forward arguments: a dict of keyword arguments, a tuple of positional ones,
     or one tensor."""

@@ -79,3 +79,24 @@ def test_a_compiled_hugging_face_model_trains_as_plain_pytorch_compiled(tmp_path
     assert_losses_match(losses, ref)
     assert "clips nothing" not in caplog.text
     engine.close()
+
+
+def test_train_batch_runs_a_compiled_model_uncompiled_and_says_so_once(tmp_path, caplog, monkeypatch):
+    """Dynamo cannot trace the hooks that page train_batch's saved activations: it runs the model
+    eagerly there (said once) and gives plain accumulation's numbers."""
+    from outcore.runtime import vertical
+
+    monkeypatch.setattr(vertical, "_said_uncompiled", False)
+    plain, model = twins(lambda: TinyGPT(tied=False))
+    data = batches(8)
+    ref = train_plain(plain, data, accum=4)
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                            grad_clip=None, grad_accumulation=4)
+    engine = outcore.Engine(model, config, outcore.AdamW(**HP))
+    model.compile(backend=BACKEND)
+    with caplog.at_level(logging.WARNING, logger="outcore.runtime.vertical"):
+        losses = [sum(engine.train_batch(data[i : i + 4])["losses"]) / 4 for i in (0, 4)]
+    assert_losses_match(losses, ref)
+    said = [r for r in caplog.records if "uncompiled" in r.getMessage()]
+    assert len(said) == 1
+    engine.close()
