@@ -20,6 +20,8 @@ def main(out_path: str, config_json: str, steps: int) -> None:
     model = TinyGPT()
     cfg = outcore.Config.from_dict(json.loads(config_json))
     engine = outcore.Engine(model, cfg, outcore.AdamW(**HP))
+    if os.environ.get("COMPILE_BACKEND"):  # torch.compile in place: the hooks, and so the collectives, run eagerly
+        model.compile(backend=os.environ["COMPILE_BACKEND"])
     rank, world = engine.group.rank, engine.group.world
     losses = []
     for x, y in batches(steps, batch=4):

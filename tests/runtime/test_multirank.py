@@ -23,16 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("stage, params, optim, clip, chunk", [(3, "nvme", "nvme", 1.0, 1024),
-                                                               (3, "cpu", "none", None, 1 << 22),
-                                                               (2, "none", "nvme", 1.0, 2048)])
-def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, optim, clip, chunk):
+@pytest.mark.parametrize("stage, params, optim, clip, chunk, compiled", [(3, "nvme", "nvme", 1.0, 1024, False),
+                                                                         (3, "cpu", "none", None, 1 << 22, False),
+                                                                         (2, "none", "nvme", 1.0, 2048, False),
+                                                                         (3, "nvme", "nvme", None, 1024, True)])
+def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, optim, clip, chunk, compiled):
     out = str(tmp_path / "result.json")
     cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
            "grad_clip": clip, "sub_group_size": chunk}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", os.path.join(HERE, "dist_train.py"), out, json.dumps(cfg), "12"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"COMPILE_BACKEND": "aot_eager"} if compiled else {})}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.load(open(out))
