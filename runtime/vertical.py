@@ -333,7 +333,7 @@ def uncompiled(model: nn.Module) -> Iterator[None]:
     if not _said_uncompiled and any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
         _said_uncompiled = True
         log.warning("train_batch runs the compiled model uncompiled (eagerly): torch.compile cannot trace the "
-                    "schedule that runs its micro-batches unit by unit. backward() accumulation runs it compiled.")
+                    "hooks that page its saved activations. backward() accumulation runs it compiled.")
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch 2.6 and later
     with set_stance("force_eager") if set_stance is not None else torch._dynamo.config.patch(disable=True):
         yield

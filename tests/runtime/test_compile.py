@@ -24,13 +24,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def train_compiled(engine, model, steps, *, no_recompiles_after_first=True):
+def train_compiled(engine, model, steps):
     """`steps` of (args, kwargs) through `engine`, the model compiled in place; after the first step
     (which sees every shape), a recompile raises."""
     model.compile(backend=BACKEND)
     losses = []
     for i, (args, kwargs) in enumerate(steps):
-        with torch._dynamo.config.patch(error_on_recompile=no_recompiles_after_first and i > 0):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
             out = engine(*args, **kwargs)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         engine.backward(loss)
