@@ -100,3 +100,29 @@ def test_train_batch_runs_a_compiled_model_uncompiled_and_says_so_once(tmp_path,
     said = [r for r in caplog.records if "uncompiled" in r.getMessage()]
     assert len(said) == 1
     engine.close()
+
+
+@pytest.mark.cuda
+def test_a_model_compiled_by_inductor_on_a_gpu_trains_as_plain_pytorch_compiled(tmp_path):
+    """Inductor's own kernels (Triton) on the GPU, parameters and optimizer states on NVMe."""
+    device = torch.device("cuda", 0)
+    plain, model = twins(lambda: TinyGPT(tied=False))
+    data = [(x.to(device), y.to(device)) for x, y in batches(5)]
+    ref = train_plain(torch.compile(plain.to(device)), data)
+    torch._dynamo.reset()
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+                            grad_clip=None)
+    engine = outcore.Engine(model, config, outcore.AdamW(**HP), device=device)
+    model.compile()
+    losses = []
+    for i, (x, y) in enumerate(data):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert_losses_match(losses, ref, rel=1e-4)
+    ours = engine.full_state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value.cpu(), rtol=1e-4, atol=1e-5, msg=name)
+    engine.close()
