@@ -49,6 +49,7 @@ def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+@_eager
 def refuse_a_second_backward(output: Any) -> None:
     """Arm the autograd nodes of a forward's outputs to refuse a second backward through them
     (`retain_graph=True`), where the engine lets the units' parameters go, or starts their updates,

@@ -24,14 +24,19 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def train_compiled(engine, model, steps):
-    """`steps` of (args, kwargs) through `engine`, the model compiled in place; after the first step
-    (which sees every shape), a recompile raises."""
-    model.compile(backend=BACKEND)
+def train_compiled(engine, model, steps, *, whole_engine=False):
+    """`steps` of (args, kwargs) through `engine`, the model compiled in place (`whole_engine`:
+    `torch.compile(engine)` instead); after the first step (which sees every shape), a recompile
+    raises."""
+    if whole_engine:
+        call = torch.compile(engine, backend=BACKEND)
+    else:
+        model.compile(backend=BACKEND)
+        call = engine
     losses = []
     for i, (args, kwargs) in enumerate(steps):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            out = engine(*args, **kwargs)
+            out = call(*args, **kwargs)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         engine.backward(loss)
         engine.step()
@@ -39,7 +44,8 @@ def train_compiled(engine, model, steps):
     return losses
 
 
-def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog):
+@pytest.mark.parametrize("whole_engine", [False, True], ids=["model-in-place", "torch.compile(engine)"])
+def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog, whole_engine):
     plain, model = twins(lambda: TinyGPT(tied=False))
     data = batches(5)
     ref = train_plain(torch.compile(plain, backend=BACKEND), data)
@@ -48,7 +54,7 @@ def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nv
                             grad_clip=None)
     engine = outcore.Engine(model, config, outcore.AdamW(**HP))
     with caplog.at_level(logging.WARNING):
-        losses = train_compiled(engine, model, [((x, y), {}) for x, y in data])
+        losses = train_compiled(engine, model, [((x, y), {}) for x, y in data], whole_engine=whole_engine)
     assert_losses_match(losses, ref)
     ours = engine.full_state_dict()
     for name, value in plain.state_dict().items():
