@@ -109,14 +109,16 @@ def test_train_batch_runs_a_compiled_model_uncompiled_and_says_so_once(tmp_path,
 
 
 @pytest.mark.cuda
-def test_a_model_compiled_by_inductor_on_a_gpu_trains_as_plain_pytorch_compiled(tmp_path):
+def test_a_model_compiled_by_inductor_on_a_gpu_trains_as_plain_pytorch_compiled(tmp_path, monkeypatch):
     """Inductor's own kernels (Triton) on the GPU, parameters and optimizer states on NVMe."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # its kernels go with tmp_path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     device = torch.device("cuda", 0)
     plain, model = twins(lambda: TinyGPT(tied=False))
     data = [(x.to(device), y.to(device)) for x, y in batches(5)]
     ref = train_plain(torch.compile(plain.to(device)), data)
     torch._dynamo.reset()
-    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
                             grad_clip=None)
     engine = outcore.Engine(model, config, outcore.AdamW(**HP), device=device)
     model.compile()
