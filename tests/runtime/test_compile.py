@@ -24,6 +24,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def anchor_warning_unsaid(monkeypatch):
+    """The anchor's clipping warning is said once per process: unsaid, a test can see it."""
+    from outcore.runtime.sharded_model import AnchorParameter
+
+    monkeypatch.setattr(AnchorParameter, "_said", False)
+
+
 def train_compiled(engine, model, steps, *, whole_engine=False):
     """`steps` of (args, kwargs) through `engine`, the model compiled in place (`whole_engine`:
     `torch.compile(engine)` instead); after the first step (which sees every shape), a recompile
@@ -45,7 +53,8 @@ def train_compiled(engine, model, steps, *, whole_engine=False):
 
 
 @pytest.mark.parametrize("whole_engine", [False, True], ids=["model-in-place", "torch.compile(engine)"])
-def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog, whole_engine):
+def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog, whole_engine,
+                                                                                   anchor_warning_unsaid):
     plain, model = twins(lambda: TinyGPT(tied=False))
     data = batches(5)
     ref = train_plain(torch.compile(plain, backend=BACKEND), data)
@@ -63,7 +72,7 @@ def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nv
     engine.close()
 
 
-def test_a_compiled_hugging_face_model_trains_as_plain_pytorch_compiled(tmp_path, caplog):
+def test_a_compiled_hugging_face_model_trains_as_plain_pytorch_compiled(tmp_path, caplog, anchor_warning_unsaid):
     directory = save_model("llama", str(tmp_path / "llama"))
     batch = token_batches(4)
     plain = AutoModelForCausalLM.from_pretrained(directory)
