@@ -34,6 +34,7 @@ from torch import nn
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
+from outcore.runtime.adapter_init import check_adapter_inits
 from outcore.runtime.adapter_merge import merge_record
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
@@ -114,6 +115,7 @@ class Engine:
                              "weights=.")
         state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
+        check_adapter_inits(model)
         plans = plan_units(model, config.unit_classes)
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")

@@ -21,16 +21,16 @@ from torch import nn
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
+from outcore.runtime.adapter_init import adapter_inits
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.hf_model import lora_init
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import UnitShape, plan_memory, unit_shapes
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights, model_name
-from outcore.runtime.units import UnitPlan, plan_layout
+from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 
 def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:
@@ -121,22 +121,39 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
             module._buffers[n] = buf.to(device)
     in_units = {m for u in units if u.plan.module is not model for m in u.plan.module.modules()}
     loaded = pretrained.holds(names) if pretrained is not None else (lambda _m, _n: False)
+    slot_at = {place: slot for u in units for slot in u.plan.slots for place in slot.places}
+    read_in: set[ParamSlot] = set()  # base weights an adapter's initialization read into their module
+
+    def read_base(module: nn.Module, name: str) -> torch.Tensor | None:
+        slot = slot_at[(module, name)]
+        if len(slot.places) > 1:
+            raise ValueError(f"{names[module]}.{name} is tied to another parameter ({', '.join(slot.state_dict_names)}"
+                             "): an adapter initialized from it would change or read only one of them. Leave it out "
+                             "of target_modules, or initialize that adapter as peft does by default "
+                             "(init_lora_weights=True, use_dora=False).")
+        stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
+        if pretrained is None or stored is None:
+            return None
+        read_in.add(slot)
+        return pretrained.read(stored, torch.float32)
+
+    inits = adapter_inits(model)
     for unit in units:
         materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                         lora_init=lora_init(model))
-        _shard(unit, store, place, policy, rank, pretrained)
+                         read_base=read_base, adapter_inits=inits)
+        _shard(unit, store, place, policy, rank, pretrained, read_in)
     if pretrained is not None:
         pretrained.close()
 
 
 def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePolicy, rank: int,
-           pretrained: PretrainedWeights | None) -> None:
-    """Flatten the unit's parameters (read from `pretrained` where it has them, else their own
-    values), keep this rank's shard, drop the originals."""
+           pretrained: PretrainedWeights | None, read_in: set[ParamSlot]) -> None:
+    """Flatten the unit's parameters (read from `pretrained` where it has them and they were not
+    `read_in` already, else their own values), keep this rank's shard, drop the originals."""
     lay = unit.layout
     flat32 = torch.zeros(lay.padded, dtype=torch.float32)
     for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
-        stored = pretrained.find(slot) if pretrained is not None else None
+        stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
         if pretrained is not None and stored is not None:
             value = pretrained.read(stored, torch.float32)
         else:

@@ -1,6 +1,6 @@
 """What the engine knows of Hugging Face and peft models: a model's HF config (for config.json in an
 export and in checkpoints), whether it is a peft model (its adapters are the trainable parameters a
-weights directory does not hold), and how peft initializes them."""
+weights directory does not hold)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,6 @@ def parameter_adapters(model: nn.Module) -> list[str]:
     """The modules that are peft LoRA adapters on a bare parameter (`LoraConfig.target_parameters`)."""
     return [name for name, m in model.named_modules()
             if type(m).__name__ == "ParamWrapper" and type(m).__module__.startswith("peft.")]
-
-
-def lora_init(model: nn.Module) -> object:
-    """A peft model's `init_lora_weights` (True, peft's default, for any other model)."""
-    configs = getattr(model, "peft_config", None)
-    config = configs.get(getattr(model, "active_adapter", "default")) if isinstance(configs, dict) else None
-    return getattr(config, "init_lora_weights", True)
 
 
 def hf_checkpointing(model: nn.Module) -> Callable[[], None] | None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from outcore.runtime.adapter_init import ReadBase, initialize_adapters, is_lora_layer, lora_parts, magnitudes
 from outcore.runtime.units import UnitPlan
 
 
@@ -47,21 +48,27 @@ def _unit_modules(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module]) ->
     return list(plan.module.modules())
 
 
+def _no_weights(_module: nn.Module, _name: str) -> torch.Tensor | None:
+    return None  # without weights=, every parameter holds its own initialized value
+
+
 def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module], *,
                      init_fn: Callable[[nn.Module], None] | None, seed: int,
                      loaded: Callable[[nn.Module, str], bool] = lambda _m, _n: False,
-                     lora_init: object = True) -> None:
+                     read_base: ReadBase = _no_weights,
+                     adapter_inits: dict[str, object] | None = None) -> None:
     """Give the unit's meta parameters real CPU memory and initialize them, except those `loaded`
     says come from pretrained weights (they stay on the meta device until read). Parameters that
     already hold values, and buffers, are left as they are.
 
-    peft's LoRA layers are initialized as peft does it (`reset_lora_parameters`, with `lora_init`,
-    the adapter config's `init_lora_weights`): A like a linear layer, B zero, so that the adapted
-    model starts as the base model."""
+    peft's LoRA adapters are then initialized as peft does it, by each adapter's `init_lora_weights`
+    in `adapter_inits` (runtime/adapter_init.py); those computed from a base weight read it first
+    with `read_base`."""
     modules = _unit_modules(plan, model, in_units)
-    lora_layers = [m for m in modules if init_fn is None and _is_lora_layer(m)]
-    lora_dicts = {d for m in lora_layers for parts in _lora_parts(m).values() for d in parts
+    lora_layers = [m for m in modules if init_fn is None and is_lora_layer(m)]
+    lora_dicts = {d for m in lora_layers for parts in lora_parts(m).values() for d in parts
                   if isinstance(d, nn.ParameterDict)}
+    dora = {d for m in lora_layers for d in magnitudes(m).values()}
     fresh = []
     for m in modules:
         names = [n for n in meta_parameters(m) if not loaded(m, n)]
@@ -82,43 +89,19 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 reset()
             elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
                 reset()
-            elif type(m).__module__.startswith("peft."):
-                raise ValueError(f"{type(m).__name__}: peft computes this adapter part from the base weights as it "
-                                 "wraps the model (DoRA's magnitude), and a model built under deferred_init() has "
-                                 "none yet. Build the model with its weights (from_pretrained) before "
-                                 "get_peft_model, or train plain LoRA (use_dora=False).")
+            elif m in dora:  # computed from the base weight with its LoRA layer's adapters, below
+                continue
             elif m in lora_dicts:  # an embedding's adapter factors: drawn as peft creates them (randn), then
-                for p in m.parameters():  # its LoRA layer's reset below
+                for p in m.parameters():  # its LoRA layer's initialization below
                     nn.init.normal_(p)
             else:
                 raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
                                  "reset_parameters(); pass init_fn= to the Engine to initialize it, or "
                                  "weights= to load it.")
+        qualified = {m: ".".join(filter(None, (plan.name, n))) for n, m in plan.module.named_modules()}
+        just_made = set(fresh)
         for m in lora_layers:
-            reset_lora = getattr(m, "reset_lora_parameters")  # noqa: B009 - a method mypy sees as a Tensor
-            for adapter, parts in _lora_parts(m).items():
-                if any(c in fresh for part in parts for c in part.modules()):
-                    reset_lora(adapter, lora_init)
-
-
-def _is_lora_layer(m: nn.Module) -> bool:
-    return callable(getattr(m, "reset_lora_parameters", None)) and isinstance(getattr(m, "lora_A", None),
-                                                                               nn.ModuleDict)
-
-
-def _lora_parts(layer: nn.Module) -> dict[str, list[nn.Module]]:
-    """A peft LoRA layer's adapters and the modules that hold their factors: `lora_A[adapter]` of a
-    linear layer, the `lora_embedding_A/B` parameter dicts of an embedding."""
-    parts: dict[str, list[nn.Module]] = {}
-    for name in ("lora_A", "lora_embedding_A", "lora_embedding_B"):
-        holder = getattr(layer, name, None)
-        if isinstance(holder, nn.ModuleDict):
-            for adapter, module in holder.items():
-                parts.setdefault(adapter, []).append(module)
-        elif isinstance(holder, nn.ParameterDict):
-            for adapter in holder:
-                parts.setdefault(adapter, []).append(holder)
-    return parts
+            initialize_adapters(m, qualified[m], just_made, adapter_inits or {}, read_base)
 
 
 def recompute_buffers(model: nn.Module, name: str, module: nn.Module,

@@ -8,6 +8,7 @@ its first name) and lets the config tie it again on load.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -24,6 +25,8 @@ from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafeten
 
 if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
+
+log = logging.getLogger(__name__)
 
 
 def _unit_tensors(sm: ShardedModel, units: list[FlatUnit] | None = None, *,
@@ -165,6 +168,11 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     if not state:
         raise ValueError("the model has no adapter parameters to export; adapters_only=True is for peft models.")
     configs: dict = getattr(peft_model, "peft_config")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
+    init = getattr(configs[active], "init_lora_weights", True)
+    if isinstance(init, str) and "_niter_" in init:
+        log.warning("export %s: init_lora_weights=%r trains against a residual drawn at random, which peft draws "
+                    "again when it loads these adapters, so the loaded model differs from the trained one; "
+                    "export(merge_adapters=True) writes the trained model exactly.", directory, init)
     with export_target(directory) as target:
         os.makedirs(target)
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(target, "adapter_model.safetensors"),

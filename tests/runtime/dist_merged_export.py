@@ -1,5 +1,6 @@
 """Run under torchrun by test_merged_export.py: two ranks export a LoRA model merged, each holding
-half of every unit."""
+half of every unit. With an initialization computed from the weights (`pissa`), each rank computes
+it from the whole weight as its unit is materialized."""
 
 import os
 import sys
@@ -7,6 +8,7 @@ import sys
 import peft
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import deferred  # noqa: E402
@@ -14,9 +16,14 @@ from hf_models import deferred  # noqa: E402
 import outcore  # noqa: E402
 
 
-def main(directory: str, out: str, nvme: str) -> None:
-    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)  # B not zero
-    engine = outcore.Engine(peft.get_peft_model(deferred(directory), lora),
+def main(directory: str, out: str, nvme: str, init: str) -> None:
+    if init == "false":  # B not zero; wrapped after the block, as README shows
+        model = peft.get_peft_model(deferred(directory), lora_config(init))
+    else:
+        with outcore.deferred_init():
+            model = peft.get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)),
+                                        lora_config(init))
+    engine = outcore.Engine(model,
                             outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=nvme),
                             weights=directory)
     state = engine.full_state_dict()
@@ -27,5 +34,10 @@ def main(directory: str, out: str, nvme: str) -> None:
     dist.destroy_process_group()
 
 
+def lora_config(init: str) -> peft.LoraConfig:
+    return peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
+                           init_lora_weights=False if init == "false" else init)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from dist_merged_export import lora_config
 from hf_models import deferred, files, save_model, token_batches
 from safetensors.torch import load_file
 from test_multirank import HERE, free_port
@@ -197,16 +198,8 @@ def test_merge_adapters_asks_for_a_peft_model_and_not_with_adapters_only(tmp_pat
     assert not any(os.path.exists(tmp_path / n) for n in "abc")
 
 
-def test_dora_under_deferred_init_says_its_magnitude_needs_the_weights(tmp_path):
-    directory = save_model("llama", str(tmp_path / "m"))
-    model = peft.get_peft_model(deferred(directory), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(ValueError, match=r"DoraLinearLayer: .*DoRA's magnitude.*from_pretrained"):
-        outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
-    assert not os.listdir(tmp_path / "nvme")
-
-
 def test_dora_built_with_its_weights_trains_as_plain_peft(tmp_path):
-    """What the error above advises: the model loaded whole, then wrapped, trains as plain peft."""
+    """The model loaded whole, then wrapped (peft computes the magnitude), trains as plain peft."""
     directory = save_model("llama", str(tmp_path / "m"))
     dora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True, lora_dropout=0.0)
     engine = outcore.Engine(peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), dora),
@@ -215,17 +208,23 @@ def test_dora_built_with_its_weights_trains_as_plain_peft(tmp_path):
     engine.close()
 
 
-def test_two_ranks_export_the_merge_of_what_they_hold_together(tmp_path):
+@pytest.mark.parametrize("init", ["false", "pissa"])
+def test_two_ranks_export_the_merge_of_what_they_hold_together(tmp_path, init):
     directory = save_model("llama", str(tmp_path / "m"))
     out = str(tmp_path / "merged")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", os.path.join(HERE, "dist_merged_export.py"), directory, out,
-           str(tmp_path / "nvme")]
+           str(tmp_path / "nvme"), init]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
-    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
-    ref.load_state_dict(torch.load(out + ".pt", weights_only=True), strict=True)
+    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora_config(init))
+    state = torch.load(out + ".pt", weights_only=True)
+    if init == "pissa":  # the halves the two ranks computed make peft's own start: residual and factors
+        expected_start = ref.state_dict()
+        assert state.keys() == expected_start.keys()
+        for name, value in state.items():
+            assert torch.equal(value, expected_start[name]), name
+    ref.load_state_dict(state, strict=True)
     expected = ref.merge_and_unload().state_dict()
     stored = load_file(os.path.join(out, "model.safetensors"))
     assert stored.keys() == expected.keys()
