@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -78,6 +79,15 @@ def _lora_targets(parser: argparse.ArgumentParser) -> None:
 _module_names = _typed(lambda text: tuple(parse_list(text, str.strip)))
 
 
+def _lora_init_name(text: str) -> str:
+    if text in ("gaussian", "pissa", "olora", "orthogonal") or re.fullmatch(r"pissa_niter_[1-9][0-9]*", text):
+        return text
+    raise ValueError(f"{text!r} is not one of gaussian, pissa, pissa_niter_N, olora, orthogonal")
+
+
+_lora_init = _typed(_lora_init_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -103,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lora-alpha", type=positive_int, metavar="A",
                    help="with --lora: peft's lora_alpha, the adapters' scale A/R (default 2R)")
     _lora_targets(t)
+    t.add_argument("--lora-init", type=_lora_init, metavar="INIT",
+                   help="with --lora: peft's init_lora_weights, computed as each layer's weights are read: gaussian, "
+                   "pissa, pissa_niter_N, olora or orthogonal (default: A random, B zero)")
+    t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora (adapters export only)")
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
@@ -277,7 +291,8 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(f"--resume: {e}") from None
     opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora,
                         merge_adapters=args.merge_adapters, lora_alpha=args.lora_alpha,
-                        lora_targets=args.lora_targets, config=args.config,
+                        lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
+                        config=args.config,
                         steps=args.steps, data=args.data, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,

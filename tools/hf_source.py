@@ -32,6 +32,8 @@ class HFModel:
     lora_rank: int | None = None  # None: full fine-tuning
     lora_alpha: int | None = None  # None: twice the rank
     lora_targets: tuple[str, ...] | None = None  # module names peft matches; None: every linear module
+    lora_init: str | None = None  # peft's init_lora_weights; None: its default (A random, B zero)
+    dora: bool = False  # peft's use_dora
     # Training packs text for a causal LM; sizing memory (`outcore estimate`) takes any model, built
     # with its LM head where transformers has one (a causal or a sequence-to-sequence LM).
     causal_only: bool = True
@@ -53,7 +55,8 @@ class HFModel:
             raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
 
     def build(self) -> nn.Module:
-        """The model, parameters on the meta device, with LoRA adapters when asked for: on the
+        """The model, parameters on the meta device, with LoRA adapters when asked for (on the meta
+        device too: the engine initializes them as peft would once their weights are read): on the
         modules `lora_targets` names, or every linear module ("all-linear"), but not on bare
         parameters, which the engine cannot page."""
         import peft
@@ -66,7 +69,8 @@ class HFModel:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
-                tuned = peft.get_peft_model(model, self._lora(targets, model))
+                with deferred_init():  # the adapters too: the engine initializes them as their weights are read
+                    tuned = peft.get_peft_model(model, self._lora(targets, model))
             except ValueError as e:
                 if not self.lora_targets:
                     raise
@@ -82,7 +86,8 @@ class HFModel:
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
                 base = self._base()
-                tuned = peft.get_peft_model(base, self._lora(modules, base))
+                with deferred_init():
+                    tuned = peft.get_peft_model(base, self._lora(modules, base))
         for w in said:
             if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -107,8 +112,10 @@ class HFModel:
         # GPT-2's projections are Conv1D, their weights stored transposed: peft would set this itself, warning
         transposed = any(isinstance(m, Conv1D) for m in model.modules())
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * rank
+        init: Any = self.lora_init or True  # peft types the names it knows as literals; the flag checked them
         return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                               fan_in_fan_out=transposed, task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
+                               fan_in_fan_out=transposed, task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM",
+                               init_lora_weights=init, use_dora=self.dora)
 
     def _base(self) -> nn.Module:
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM

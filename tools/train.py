@@ -46,6 +46,8 @@ class TrainOptions:
     merge_adapters: bool = False  # with `lora`: also export the base model with the adapters merged in
     lora_alpha: int | None = None  # with `lora`: peft's lora_alpha (None: twice the rank)
     lora_targets: tuple[str, ...] | None = None  # with `lora`: the modules adapted (None: every linear one)
+    lora_init: str | None = None  # with `lora`: peft's init_lora_weights (None: its default)
+    dora: bool = False  # with `lora`: peft's use_dora
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
@@ -229,11 +231,13 @@ def _train(opts: TrainOptions, report) -> dict:
     if opts.lora is not None and opts.model is None:
         raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
     for flag, given in (("--merge-adapters", opts.merge_adapters), ("--lora-alpha", opts.lora_alpha is not None),
-                        ("--lora-targets", opts.lora_targets is not None)):
+                        ("--lora-targets", opts.lora_targets is not None), ("--lora-init", opts.lora_init is not None),
+                        ("--dora", opts.dora)):
         if given and opts.lora is None:
             raise ValueError(f"{flag} is a setting of LoRA adapters: give --model DIR and --lora R too.")
     job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=opts.data, batch=opts.batch,
-                  seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets)
+                  seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
+                  lora_init=opts.lora_init, dora=opts.dora)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
     config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
     steps = opts.steps or job.steps

@@ -87,10 +87,11 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
 
 
 def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, seq: int | None, seed: int,
-           merge: bool = False, lora_alpha: int | None = None, lora_targets: tuple[str, ...] | None = None) -> Job:
+           merge: bool = False, lora_alpha: int | None = None, lora_targets: tuple[str, ...] | None = None,
+           lora_init: str | None = None, dora: bool = False) -> Job:
     from outcore.tools.token_corpus import token_corpus
 
-    source = HFModel(directory, lora, lora_alpha, lora_targets)
+    source = HFModel(directory, lora, lora_alpha, lora_targets, lora_init, dora)
     if data is None:
         raise ValueError("--model DIR fine-tunes on your text: give --data FILE.txt or FILE.jsonl.")
     config = source.config()

@@ -120,6 +120,30 @@ def test_lora_alpha_and_targets_are_peft_s_and_the_count_of_what_trains_is_too(t
     assert main(["estimate", "--model", model_dir, "--lora-targets", "q_proj"]) == 2
 
 
+def test_pissa_from_the_command_line_exports_adapters_peft_loads_as_the_merged_model(tmp_path, model_dir, jsonl):
+    """--lora-init pissa: the engine computes PiSSA from the weights it reads; the adapters, loaded
+    by peft onto the original model (peft computes the same residual), give the merged model."""
+    args = train_args(tmp_path, model_dir, jsonl, "--lora", "4", "--lora-init", "pissa", "--lora-targets",
+                      "q_proj,down_proj", "--steps", "3", "--lr", "1e-2", "--merge-adapters")
+    assert main(args) == 0
+    run = tmp_path / "run"
+    assert json.loads((run / "adapters" / "adapter_config.json").read_text())["init_lora_weights"] == "pissa"
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(run / "adapters"))
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "model")).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, merged(x).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(merged(x).logits, base(x).logits)  # three steps changed the model
+
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "2", "--dora", "--lora-targets", "v_proj", "--steps",
+                           "2", "--out", str(tmp_path / "dora"))) == 0
+    written = json.loads((tmp_path / "dora" / "adapters" / "adapter_config.json").read_text())
+    assert written["use_dora"] is True
+    assert any("lora_magnitude_vector" in k for k in load_file(str(tmp_path / "dora" / "adapters" /
+                                                                  "adapter_model.safetensors")))
+
+
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
     """peft's "all-linear" also wraps Mixtral's fused experts and router, bare parameters the engine
     refuses; the command line makes the adapters again on the linear modules, and says so once."""
@@ -192,6 +216,8 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("merge-without-lora", "--merge-adapters is a setting of LoRA adapters: give --model DIR and --lora R too."),
     ("alpha-without-lora", "--lora-alpha is a setting of LoRA adapters"),
     ("unknown-lora-target", "--lora-targets q_proj,nope: no module of"),
+    ("init-without-lora", "--lora-init is a setting of LoRA adapters"),
+    ("unknown-lora-init", "argument --lora-init: 'svd' is not one of gaussian, pissa, pissa_niter_N, olora"),
     ("chat-without-template", "line 1: the conversation cannot be rendered: the model's tokenizer has no chat"),
     ("chat-on-a-preset", "line 1 is a conversation (\"messages\"): conversations are rendered by a model's chat"),
     ("chat-malformed", "line 2 has neither a \"text\" string nor a \"messages\" list"),
@@ -229,6 +255,10 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
         args += ["--lora-alpha", "16"]
     elif damage == "unknown-lora-target":
         args += ["--lora", "4", "--lora-targets", "q_proj,nope"]
+    elif damage == "init-without-lora":
+        args += ["--lora-init", "pissa"]
+    elif damage == "unknown-lora-init":
+        args += ["--lora", "4", "--lora-init", "svd"]
     elif damage.startswith("chat"):
         rows = [{"text": STORY}, {"messages": [{"role": "user"}]}] if damage == "chat-malformed" else [CHAT]
         with open(jsonl, "w") as f:
@@ -240,7 +270,11 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
             f.write(json.dumps({"text": STORY}) + "\nnot json\n")
     else:
         args = ["train", "--lora", "4", "--steps", "1", "--out", str(tmp_path / "run")]
-    assert main(args) == 2
+    try:
+        code = main(args)
+    except SystemExit as e:  # a flag's value argparse refuses
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
