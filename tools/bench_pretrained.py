@@ -3,6 +3,7 @@ LoRA and full steps with parameters and optimizer states on NVMe.
 
     python -m outcore.tools.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
                                              [--budget 256M] [--kinds load,lora,full,plain-lora]
+                                             [--lora-init pissa] [--dora]
 
 A Llama-shaped model (about 1.5B parameters at the defaults) is built from a config with random
 weights and saved once as bf16 safetensors in D/model (its size is checked against the free space
@@ -12,8 +13,10 @@ first). Each kind then runs in its own process, so that its peak RSS is its own:
 transformers + peft with the whole model in RAM, the reference where it fits. After its steps each
 LoRA kind writes the model with its adapters merged in, timed, with the peak RSS of that alone:
 `engine.export(dir, merge_adapters=True)`, against peft's `merge_and_unload()` and `save_pretrained`.
-`--checkpoint` turns on the model's own activation checkpointing (non-reentrant) in every kind. One
-JSON line per kind.
+`--checkpoint` turns on the model's own activation checkpointing (non-reentrant) in every kind.
+`--lora-init` (peft's `init_lora_weights`) and `--dora` set up both LoRA kinds' adapters: under the
+engine they are computed as each unit's weights are read, so `load_s` is their cost (a DoRA model is
+not merged). One JSON line per kind.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -79,7 +83,8 @@ def make_model(directory: str, layers: int, hidden: int) -> str:
     return path
 
 
-def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool) -> dict:
+def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool,
+        lora_init: str | None = None, dora: bool = False) -> dict:
     merged_dir = os.path.join(os.path.dirname(scratch), "merged")
     import peft
     import transformers
@@ -88,7 +93,9 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
 
     torch.manual_seed(0)
     x = torch.randint(0, 32000, (1, 128))
-    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    init: Any = lora_init or True  # peft types the names it knows as literals
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0,
+                           init_lora_weights=init, use_dora=dora)
     if kind == "plain-lora":
         t0 = time.perf_counter()
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -106,7 +113,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
             times.append(time.perf_counter() - t0)
         peak = peak_rss()
         merge_and_unload = getattr(model, "merge_and_unload")  # noqa: B009 - a method mypy sees as a Tensor
-        merged = _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
+        merged = {} if dora else _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
         return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": peak, **merged}
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
@@ -114,7 +121,8 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
     if checkpoint:
         _checkpointing(model)
     if kind == "lora":
-        model = peft.get_peft_model(model, lora)
+        with outcore.deferred_init():  # the adapters too: the engine computes them as it reads the weights
+            model = peft.get_peft_model(model, lora)
     config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,
                             dtype="bf16", grad_clip=1.0, device_budget=budget, host_budget=budget,
                             sub_group_size=1 << 20,  # the optimizer's HOST window: a few 16 MiB chunks
@@ -132,7 +140,8 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         times.append(time.perf_counter() - t0)
     s = engine.stats()
     peak = peak_rss()
-    merged = _merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir) if kind == "lora" else {}
+    merged = (_merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir)
+              if kind == "lora" and not dora else {})
     engine.close()
     return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": peak,
             "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], **merged}
@@ -147,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--checkpoint", action="store_true", help="the model's own activation checkpointing")
+    p.add_argument("--lora-init", help="peft's init_lora_weights for the LoRA kinds (pissa, olora, ...)")
+    p.add_argument("--dora", action="store_true", help="DoRA adapters for the LoRA kinds")
     p.add_argument("--_run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.hidden % 256:
@@ -158,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = os.path.join(args.dir, "model")
     if args._run:
         scratch = os.path.join(args.dir, "swap")
-        print(json.dumps({**run(args._run, model_dir, scratch, args.steps, args.budget, args.checkpoint),
-                          "checkpoint": args.checkpoint}))
+        print(json.dumps({**run(args._run, model_dir, scratch, args.steps, args.budget, args.checkpoint,
+                                args.lora_init, args.dora),
+                          "checkpoint": args.checkpoint, "lora_init": args.lora_init, "dora": args.dora}))
         return
     t0 = time.perf_counter()
     make_model(args.dir, args.layers, args.hidden)
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     for kind in args.kinds.split(","):
         cmd = [sys.executable, "-m", "outcore.tools.bench_pretrained", "--dir", args.dir, "--steps", str(args.steps),
-               "--budget", str(args.budget), "--_run", kind] + (["--checkpoint"] if args.checkpoint else [])
+               "--budget", str(args.budget), "--_run", kind] + (["--checkpoint"] if args.checkpoint else []) + (
+                   ["--lora-init", args.lora_init] if args.lora_init else []) + (["--dora"] if args.dora else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps(
             {"kind": kind, "error": res.stderr.strip().splitlines()[-1:]})
