@@ -1,4 +1,4 @@
-"""peft's LoRA adapters initialized as peft does it, for a model wrapped under deferred_init().
+"""peft's adapters initialized as peft does it, for a model wrapped under deferred_init().
 
 peft initializes an adapter as it wraps the model. On the meta device there is nothing to compute
 from, so the engine runs the same initialization, with peft's own methods, as each unit is
@@ -18,6 +18,11 @@ Initializations that need data, gradients or a quantized model (EVA, CorDA, LoRA
 are refused by name: build the model with its weights and let peft run them.
 peft's layers other than Linear (Embedding, convolutions) take the plain initialization for every
 `init_lora_weights` that is not theirs, as peft's own `update_layer` for them does.
+
+IA3's vectors (ones, or as drawn with `init_ia3_weights=False`) and LoHa's and LoKr's factors (by
+`init_weights`) are initialized by their layers' own reset methods too. Other adapter types (VeRA's
+and BOFT's computed buffers, prompt learning) are refused by name under deferred_init(): peft
+initializes them on a model built with its weights.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ ReadBase = Callable[[nn.Module, str], "torch.Tensor | None"]
 REFUSED = ("eva", "corda", "lora_ga", "loftq", "mica")  # peft computes these from data or a quantized model
 
 
-def adapter_inits(model: nn.Module) -> dict[str, object]:
-    """Each adapter's `init_lora_weights`, by adapter name ({} for a model peft does not wrap)."""
+def adapter_configs(model: nn.Module) -> dict[str, object]:
+    """Each adapter's peft config, by adapter name ({} for a model peft does not wrap)."""
     configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, dict):
-        return {}
-    return {name: getattr(config, "init_lora_weights", True) for name, config in configs.items()}
+    return dict(configs) if isinstance(configs, dict) else {}
+
+
+def is_tuner_layer(m: nn.Module) -> bool:
+    """A layer peft put adapters on (its BaseTunerLayer: LoRA, IA3, LoHa, ...)."""
+    return isinstance(getattr(m, "adapter_layer_names", None), tuple) and callable(getattr(m, "get_base_layer", None))
 
 
 def is_lora_layer(m: nn.Module) -> bool:
@@ -45,11 +53,14 @@ def is_lora_layer(m: nn.Module) -> bool:
                                                                               nn.ModuleDict)
 
 
-def lora_parts(layer: nn.Module) -> dict[str, list[nn.Module]]:
-    """A peft LoRA layer's adapters and the modules that hold their factors: `lora_A[adapter]` of a
-    linear layer, the `lora_embedding_A/B` parameter dicts of an embedding."""
+def adapter_parts(layer: nn.Module) -> dict[str, list[nn.Module]]:
+    """A peft layer's adapters and the modules that hold their parts: for LoRA, `lora_A[adapter]` of
+    a linear layer or the `lora_embedding_A/B` parameter dicts of an embedding (not DoRA's magnitude,
+    initialized apart); for the other types, the parameter dicts their layer names."""
+    lora = ("lora_A", "lora_embedding_A", "lora_embedding_B")
+    names: tuple[str, ...] = lora if is_lora_layer(layer) else getattr(layer, "adapter_layer_names")  # noqa: B009
     parts: dict[str, list[nn.Module]] = {}
-    for name in ("lora_A", "lora_embedding_A", "lora_embedding_B"):
+    for name in names:
         holder = getattr(layer, name, None)
         if isinstance(holder, nn.ModuleDict):
             for adapter, module in holder.items():
@@ -66,15 +77,19 @@ def magnitudes(layer: nn.Module) -> dict[str, nn.Module]:
     return dict(held.items()) if isinstance(held, nn.ModuleDict) else {}
 
 
-def initialize_adapters(layer: nn.Module, name: str, fresh: set[nn.Module], inits: dict[str, object],
+def initialize_adapters(layer: nn.Module, name: str, fresh: set[nn.Module], configs: dict[str, object],
                         read_base: ReadBase) -> None:
-    """Initialize `layer`'s adapters whose factors or DoRA magnitude are in `fresh` (just given
-    memory), as peft's `update_layer` does. `name` is the layer's, for errors; `read_base(module,
-    "weight")` gives a base weight's stored value before an initialization computes from it."""
-    for adapter, parts in lora_parts(layer).items():
-        init = inits.get(adapter, True)
+    """Initialize `layer`'s adapters whose parts or DoRA magnitude are in `fresh` (just given
+    memory), as peft's `update_layer` does, by each adapter's config in `configs`. `name` is the
+    layer's, for errors; `read_base(module, "weight")` gives a base weight's stored value before
+    an initialization computes from it."""
+    for adapter, parts in adapter_parts(layer).items():
+        config = configs.get(adapter)
         if any(c in fresh for part in parts for c in part.modules()):
-            _factors(layer, name, adapter, init, read_base)
+            if is_lora_layer(layer):
+                _factors(layer, name, adapter, getattr(config, "init_lora_weights", True), read_base)
+            else:
+                _reset_other(layer, name, adapter, config)
         magnitude = magnitudes(layer).get(adapter)
         if magnitude is not None and magnitude in fresh:
             _base_weight(layer, read_base)
@@ -86,13 +101,23 @@ def initialize_adapters(layer: nn.Module, name: str, fresh: set[nn.Module], init
 
 def check_adapter_inits(model: nn.Module) -> None:
     """Refuse, before anything is read or written, an adapter still on the meta device whose
-    initialization needs what the engine does not have (data, gradients, a quantized model)."""
-    inits = adapter_inits(model)
+    initialization the engine cannot run: one that needs data, gradients or a quantized model, or
+    an adapter type it does not know."""
+    configs = adapter_configs(model)
+    prompts = [c for c in configs.values() if getattr(c, "is_prompt_learning", False)]
+    if prompts and any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"the engine does not build peft's {_kind(prompts[0])} under deferred_init(): build the "
+                         "model with its weights (from_pretrained) before get_peft_model, and give the engine "
+                         "that model without weights=.")
     for name, layer in model.named_modules():
-        if is_lora_layer(layer):
-            for adapter, parts in lora_parts(layer).items():
-                if any(p.is_meta for part in parts for p in part.parameters()):
-                    _check(name, inits.get(adapter, True))
+        if not is_tuner_layer(layer):
+            continue
+        for adapter, parts in adapter_parts(layer).items():
+            if any(p.is_meta for part in parts for p in part.parameters()):
+                if is_lora_layer(layer):
+                    _check(name, getattr(configs.get(adapter), "init_lora_weights", True))
+                else:
+                    _reset_method(layer, name, configs.get(adapter))
 
 
 def _check(name: str, init: object) -> None:
@@ -121,6 +146,33 @@ def _factors(layer: nn.Module, name: str, adapter: str, init: object,
     else:
         raise ValueError(f"{name!r}: init_lora_weights={init!r} is not an initialization the engine knows; choose "
                          "True, False, 'gaussian', 'pissa', 'pissa_niter_N', 'olora' or 'orthogonal'.")
+
+
+def _reset_other(layer: nn.Module, name: str, adapter: str, config: object) -> None:
+    reset = _reset_method(layer, name, config)
+    if reset is not None:
+        getattr(layer, reset)(adapter)
+
+
+def _reset_method(layer: nn.Module, name: str, config: object) -> str | None:
+    """The method of an IA3, LoHa or LoKr layer that initializes an adapter as its config says
+    (None: as drawn); ValueError for another adapter type."""
+    if callable(getattr(layer, "reset_ia3_parameters", None)):
+        return "reset_ia3_parameters" if getattr(config, "init_ia3_weights", True) else None
+    if callable(getattr(layer, "reset_adapter_parameters", None)):  # LoHa, LoKr
+        init = getattr(config, "init_weights", True)
+        if init == "lycoris" and callable(getattr(layer, "reset_adapter_parameters_lycoris_way", None)):
+            return "reset_adapter_parameters_lycoris_way"
+        return "reset_adapter_parameters" if init else "reset_adapter_parameters_random"
+    raise ValueError(f"{name!r}: the engine does not initialize peft's {_kind(config)} adapters under "
+                     "deferred_init() (it does LoRA, with DoRA, PiSSA or OLoRA, IA3, LoHa and LoKr). Build the "
+                     "model with its weights (from_pretrained) before get_peft_model, which initializes them.")
+
+
+def _kind(config: object) -> str:
+    """peft's name for the adapter type of `config` (VERA, PREFIX_TUNING, ...)."""
+    kind = getattr(config, "peft_type", None)
+    return str(getattr(kind, "value", kind or type(config).__name__))
 
 
 def _is_linear(layer: nn.Module) -> bool:

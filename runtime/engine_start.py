@@ -21,7 +21,7 @@ from torch import nn
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
-from outcore.runtime.adapter_init import adapter_inits
+from outcore.runtime.adapter_init import adapter_configs
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
@@ -137,10 +137,10 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
         read_in.add(slot)
         return pretrained.read(stored, torch.float32)
 
-    inits = adapter_inits(model)
+    configs = adapter_configs(model)
     for unit in units:
         materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                         read_base=read_base, adapter_inits=inits)
+                         read_base=read_base, adapter_configs=configs)
         _shard(unit, store, place, policy, rank, pretrained, read_in)
     if pretrained is not None:
         pretrained.close()

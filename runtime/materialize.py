@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from outcore.runtime.adapter_init import ReadBase, initialize_adapters, is_lora_layer, lora_parts, magnitudes
+from outcore.runtime.adapter_init import ReadBase, adapter_parts, initialize_adapters, is_tuner_layer, magnitudes
 from outcore.runtime.units import UnitPlan
 
 
@@ -56,19 +56,19 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                      init_fn: Callable[[nn.Module], None] | None, seed: int,
                      loaded: Callable[[nn.Module, str], bool] = lambda _m, _n: False,
                      read_base: ReadBase = _no_weights,
-                     adapter_inits: dict[str, object] | None = None) -> None:
+                     adapter_configs: dict[str, object] | None = None) -> None:
     """Give the unit's meta parameters real CPU memory and initialize them, except those `loaded`
     says come from pretrained weights (they stay on the meta device until read). Parameters that
     already hold values, and buffers, are left as they are.
 
-    peft's LoRA adapters are then initialized as peft does it, by each adapter's `init_lora_weights`
-    in `adapter_inits` (runtime/adapter_init.py); those computed from a base weight read it first
+    peft's adapters are then initialized as peft does it, by each adapter's config in
+    `adapter_configs` (runtime/adapter_init.py); those computed from a base weight read it first
     with `read_base`."""
     modules = _unit_modules(plan, model, in_units)
-    lora_layers = [m for m in modules if init_fn is None and is_lora_layer(m)]
-    lora_dicts = {d for m in lora_layers for parts in lora_parts(m).values() for d in parts
-                  if isinstance(d, nn.ParameterDict)}
-    dora = {d for m in lora_layers for d in magnitudes(m).values()}
+    tuner_layers = [m for m in modules if init_fn is None and is_tuner_layer(m)]
+    adapter_dicts = {d for m in tuner_layers for parts in adapter_parts(m).values() for d in parts
+                     if isinstance(d, nn.ParameterDict)}
+    dora = {d for m in tuner_layers for d in magnitudes(m).values()}
     fresh = []
     for m in modules:
         names = [n for n in meta_parameters(m) if not loaded(m, n)]
@@ -91,8 +91,8 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 reset()
             elif m in dora:  # computed from the base weight with its LoRA layer's adapters, below
                 continue
-            elif m in lora_dicts:  # an embedding's adapter factors: drawn as peft creates them (randn), then
-                for p in m.parameters():  # its LoRA layer's initialization below
+            elif m in adapter_dicts:  # drawn as peft creates them (randn: a LoRA embedding's factors, IA3's
+                for p in m.parameters():  # vectors), then their layer's initialization below
                     nn.init.normal_(p)
             else:
                 raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
@@ -100,8 +100,8 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                                  "weights= to load it.")
         qualified = {m: ".".join(filter(None, (plan.name, n))) for n, m in plan.module.named_modules()}
         just_made = set(fresh)
-        for m in lora_layers:
-            initialize_adapters(m, qualified[m], just_made, adapter_inits or {}, read_base)
+        for m in tuner_layers:
+            initialize_adapters(m, qualified[m], just_made, adapter_configs or {}, read_base)
 
 
 def recompute_buffers(model: nn.Module, name: str, module: nn.Module,

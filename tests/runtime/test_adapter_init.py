@@ -159,3 +159,62 @@ def test_dora_wrapped_outside_deferred_init_computes_its_magnitude_from_the_weig
         assert torch.equal(start[name], expected[name]), name
     train_beside_plain_peft(engine, directory, lora)
     engine.close()
+
+
+OTHER_TYPES = {
+    "IA3": lambda: peft.IA3Config(target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "IA3 as drawn": lambda: peft.IA3Config(target_modules=["k_proj", "up_proj"], feedforward_modules=["up_proj"],
+                                           init_ia3_weights=False),
+    "LoHa": lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    "LoKr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=["o_proj", "gate_proj"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(OTHER_TYPES))
+def test_ia3_loha_and_lokr_under_deferred_init_start_as_peft_and_train_as_plain_peft(tmp_path, kind):
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = outcore.Engine(wrapped_deferred(directory, OTHER_TYPES[kind]()), nvme_config(tmp_path),
+                            outcore.AdamW(**HP), weights=directory)
+    x = token_batches(1, seed=9)[0]
+    start = engine.full_state_dict()
+    plain = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), OTHER_TYPES[kind]()).eval()
+    with torch.no_grad():
+        if kind == "IA3 as drawn":  # peft's randn: no longer the base model
+            assert all(0.5 < float(v.std()) < 1.5 for n, v in start.items() if "ia3_l" in n)
+        else:  # peft's initialization: the adapted model starts as the base model
+            base = AutoModelForCausalLM.from_pretrained(directory).eval()
+            torch.testing.assert_close(engine.module(input_ids=x).logits, base(x).logits, rtol=1e-5, atol=1e-6)
+        plain.load_state_dict(start, strict=True)
+        torch.testing.assert_close(engine.module(input_ids=x).logits, plain(x).logits, rtol=1e-5, atol=1e-6)
+    train_beside_plain_peft(engine, directory, OTHER_TYPES[kind]())
+    engine.export(str(tmp_path / "adapters"), adapters_only=True)
+    trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), OTHER_TYPES[kind]())
+    trained.load_state_dict(engine.full_state_dict(), strict=True)
+    engine.close()
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), str(tmp_path / "adapters"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, trained.eval()(x).logits, rtol=0, atol=0)
+
+
+REFUSED_TYPES = {
+    "VERA": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "BOFT": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj"]),
+    "PREFIX_TUNING": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED_TYPES))
+def test_other_adapter_types_are_refused_under_deferred_init_and_train_when_built_with_weights(tmp_path, kind):
+    directory = save_model("llama", str(tmp_path / "m"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with outcore.deferred_init():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        model = peft.get_peft_model(model, REFUSED_TYPES[kind]())  # README's order: wrapped after the block
+    with pytest.raises(ValueError, match=rf"peft's {kind}.*from_pretrained\) before get_peft_model"):
+        outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
+    assert not (tmp_path / "nvme").exists()
+    whole = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), REFUSED_TYPES[kind]())
+    engine = outcore.Engine(whole, nvme_config(tmp_path), outcore.AdamW(**HP))  # what the error says to do
+    train_beside_plain_peft(engine, directory, REFUSED_TYPES[kind]())
+    engine.close()
