@@ -12,8 +12,11 @@ which tensor each base name comes from, which tensors are dropped, and what adds
 (peft keeps adapters in fp32 under a bf16 or fp16 base) and rounded into the base tensor's dtype as
 peft does it: once with the sum for a Linear layer, first on its own for an Embedding. A module and
 its adapter sit in the same unit (the adapter is the module's child), so a unit and its frozen
-sibling hold all that a merged tensor needs. Variants whose merge is not this sum (DoRA and the other `lora_variant`s,
-convolutions, attention, trainable tokens) are refused by module name before anything is written.
+sibling hold all that a merged tensor needs. DoRA on a Linear layer (one adapter) rescales the sum
+instead: each output row of W + delta is multiplied by its magnitude over its norm, in fp32, then
+rounded once, as peft's merge does. Variants whose merge is neither (DoRA on other layers, the other
+`lora_variant`s, convolutions, attention, trainable tokens) are refused by module name before
+anything is written.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class AdapterMerge:
 
     renamed: dict[str, str] = field(default_factory=dict)
     added: dict[str, list[Contribution]] = field(default_factory=dict)
+    rescaled: dict[str, str] = field(default_factory=dict)  # a DoRA weight -> its magnitude's name
 
     def refuse_untying(self, tied: list[str]) -> None:
         """A ValueError where an adapter adapts one of the `tied` names (one parameter's): merging
@@ -62,12 +66,19 @@ class AdapterMerge:
         """For a checkpoint's meta.json, from which `outcore export --merge-adapters` merges offline."""
         return {"renamed": self.renamed,
                 "added": {k: [[c.a, c.b, c.scaling, c.transpose, c.rounded] for c in cs]
-                          for k, cs in self.added.items()}}
+                          for k, cs in self.added.items()},
+                "rescaled": self.rescaled}
 
     @classmethod
     def from_dict(cls, d: dict) -> AdapterMerge:
         return cls(dict(d["renamed"]), {k: [Contribution(a, b, float(s), bool(t), bool(r)) for a, b, s, t, r in cs]
-                                        for k, cs in d["added"].items()})
+                                        for k, cs in d["added"].items()},
+                   dict(d.get("rescaled", {})))  # (checkpoints before DoRA merged have none)
+
+    def inputs(self, name: str) -> list[str]:
+        """The tensors besides `name` that its merged value reads: its adapters' factors, a DoRA magnitude."""
+        factors = [n for c in self.added.get(name, ()) for n in (c.a, c.b) if n is not None]
+        return factors + ([self.rescaled[name]] if name in self.rescaled else [])
 
     def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of the peft tensor `name` after the merge, from `tensors`, which holds it and
@@ -75,6 +86,8 @@ class AdapterMerge:
         value = tensors[name]
         if name not in self.added:
             return value
+        if name in self.rescaled:
+            return _dora(value, self.added[name][0], tensors[self.rescaled[name]], tensors)
         value = value.clone()
         for c in self.added[name]:
             delta = _delta(c, tensors)
@@ -90,6 +103,16 @@ def _delta(c: Contribution, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor
         return b * c.scaling
     product = b @ tensors[c.a].float()
     return (product.T if c.transpose else product) * c.scaling
+
+
+def _dora(weight: torch.Tensor, c: Contribution, magnitude: torch.Tensor,
+          tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """peft's DoRA merge: W + delta with each output row scaled to its magnitude, in fp32 (the
+    factors' dtype) and rounded once to W's."""
+    total = weight + _delta(c, tensors)  # promoted to fp32, as peft adds an fp32 delta to a bf16 weight
+    norm = torch.linalg.norm(total.T if c.transpose else total, dim=1)
+    factor = (magnitude.float() / norm).view(-1, 1)
+    return ((factor.T if c.transpose else factor) * total).to(weight.dtype)
 
 
 def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
@@ -119,8 +142,9 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
         elif isinstance(module, wrappers) and not isinstance(module, LoraLayer):
             raise _refused(path, prefix, type(module).__name__)
         elif isinstance(module, LoraLayer):
-            if type(module) not in (Linear, Embedding) or _variants(module):
-                raise _refused(path, prefix, ", ".join(_variants(module)) or type(module).__name__)
+            variants = _variants(module)
+            if type(module) not in (Linear, Embedding) or (variants and not _merged_dora(module, variants)):
+                raise _refused(path, prefix, ", ".join(variants) or type(module).__name__)
             moved[f"{path}.base_layer"] = path
             dropped.update(f"{path}.{n}" for n in _children(module) if n != "base_layer")
             _plan_contributions(merge, module, path, prefix, embedding=isinstance(module, Embedding))
@@ -177,6 +201,8 @@ def _plan_contributions(merge: AdapterMerge, layer: Any, path: str, prefix: str,
         a, b = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
         transpose = bool(layer.fan_in_fan_out)
         merge.added.setdefault(weight, []).append(Contribution(a, b, scaling, transpose))
+        if adapter in getattr(layer, "lora_magnitude_vector", {}):
+            merge.rescaled[weight] = f"{path}.lora_magnitude_vector.{adapter}.weight"
         if getattr(layer, "lora_bias", {}).get(adapter, False):  # (peft >= 0.14)
             if getattr(layer.base_layer, "bias", None) is None:
                 raise ValueError(f"merging adapters: {path[len(prefix):]!r} has lora_bias but its base layer has no "
@@ -188,6 +214,14 @@ def _variants(layer: Any) -> list[str]:
     """The LoRA variants (DoRA, ...) `layer`'s adapters use: peft's `lora_variant`, or `use_dora` before it."""
     variants = [type(v).__name__ for v in getattr(layer, "lora_variant", {}).values()]
     return variants or ["DoRA" for used in getattr(layer, "use_dora", {}).values() if used][:1]
+
+
+def _merged_dora(layer: Any, variants: list[str]) -> bool:
+    """Whether `layer` is a Linear layer with one adapter, DoRA's, whose merge `_dora` computes."""
+    from peft.tuners.lora import Linear
+
+    return (type(layer) is Linear and variants in (["DoraLinearVariant"], ["DoRA"]) and len(layer.lora_A) == 1
+            and len(layer.active_adapters) == 1)
 
 
 def _children(module: Any) -> list[str]:
@@ -203,5 +237,6 @@ def _refuse_tuner_inside(wrapper: nn.Module, path: str, tuner: type) -> None:
 
 def _refused(path: str, prefix: str, kind: str) -> ValueError:
     return ValueError(f"merging adapters: {path[len(prefix):]!r} is a {kind} adapter, whose merge outcore does "
-                      "not compute (it merges LoRA on Linear, Conv1D and Embedding layers); export the adapters "
+                      "not compute (it merges LoRA on Linear, Conv1D and Embedding layers, and DoRA with one "
+                      "adapter on Linear and Conv1D); export the adapters "
                       "instead (adapters_only=True) and merge them with peft's merge_and_unload.")

@@ -15,8 +15,8 @@ LoRA kind writes the model with its adapters merged in, timed, with the peak RSS
 `engine.export(dir, merge_adapters=True)`, against peft's `merge_and_unload()` and `save_pretrained`.
 `--checkpoint` turns on the model's own activation checkpointing (non-reentrant) in every kind.
 `--lora-init` (peft's `init_lora_weights`) and `--dora` set up both LoRA kinds' adapters: under the
-engine they are computed as each unit's weights are read, so `load_s` is their cost (a DoRA model is
-not merged). One JSON line per kind.
+engine they are computed as each unit's weights are read, so `load_s` is their cost. One JSON line
+per kind.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
             times.append(time.perf_counter() - t0)
         peak = peak_rss()
         merge_and_unload = getattr(model, "merge_and_unload")  # noqa: B009 - a method mypy sees as a Tensor
-        merged = {} if dora else _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
+        merged = _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
         return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": peak, **merged}
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
@@ -140,8 +140,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         times.append(time.perf_counter() - t0)
     s = engine.stats()
     peak = peak_rss()
-    merged = (_merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir)
-              if kind == "lora" and not dora else {})
+    merged = _merged_export(lambda d: engine.export(d, merge_adapters=True), merged_dir) if kind == "lora" else {}
     engine.close()
     return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": peak,
             "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], **merged}

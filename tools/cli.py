@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lora-init", type=_lora_init, metavar="INIT",
                    help="with --lora: peft's init_lora_weights, computed as each layer's weights are read: gaussian, "
                    "pissa, pissa_niter_N, olora or orthogonal (default: A random, B zero)")
-    t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora (adapters export only)")
+    t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora")
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")

@@ -143,11 +143,9 @@ def _recorded_merge(folder: str, meta: dict) -> AdapterMerge:
 
 def _merge_parts(key: str, value: torch.Tensor, merge: AdapterMerge, where: dict, shards: CheckpointShards,
                  dtype: str) -> dict[str, torch.Tensor]:
-    """The base tensor `key` (`value`) and the adapter factors that add to it, each in `dtype`, as
+    """The base tensor `key` (`value`) and the adapter tensors its merge reads, each in `dtype`, as
     the engine's own export merges compute-dtype values."""
     parts = {key: value}
-    for c in merge.added[key]:
-        for name in (c.a, c.b):
-            if name is not None:
-                parts[name] = shards.parameter(*where[name]).to(torch_dtype(dtype))
+    for name in merge.inputs(key):
+        parts[name] = shards.parameter(*where[name]).to(torch_dtype(dtype))
     return parts

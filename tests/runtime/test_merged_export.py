@@ -72,6 +72,10 @@ CASES = {
                       modules_to_save=["lm_head"])),
     "gpt2, Conv1D with lora_bias": ("gpt2", dict(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
                                                   lora_bias=True, fan_in_fan_out=True)),
+    "llama, DoRA": ("llama", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                  use_dora=True)),
+    "gpt2, Conv1D with DoRA": ("gpt2", dict(r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"],
+                                            fan_in_fan_out=True, use_dora=True)),
 }
 
 
@@ -128,11 +132,14 @@ def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(
                 assert torch.equal(value, expected[key]), key
 
 
-def test_a_bf16_run_merges_as_peft_does_and_offline_the_same(tmp_path):
-    """peft keeps adapters in fp32 under a bf16 base and rounds a Linear's merged sum once, an
-    Embedding's delta first; an embedding's factors, drawn under deferred_init(), are peft's randn."""
+@pytest.mark.parametrize("options", [dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+                                     dict(target_modules=["q_proj", "v_proj"], use_dora=True)])
+def test_a_bf16_run_merges_as_peft_does_and_offline_the_same(tmp_path, options):
+    """peft keeps adapters in fp32 under a bf16 base and rounds a Linear's merged sum once (DoRA's
+    rescaled sum too), an Embedding's delta first; an embedding's factors, drawn under
+    deferred_init(), are peft's randn."""
     directory = save_model("llama", str(tmp_path / "m"))
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "embed_tokens"], init_lora_weights=False)
+    lora = peft.LoraConfig(r=4, init_lora_weights=False, **options)
     config = outcore.Config(stage=3, dtype="bf16", offload_params="nvme", offload_optimizer="nvme",
                             nvme_dir=str(tmp_path / "nvme"))
     engine = outcore.Engine(peft.get_peft_model(deferred(directory), lora), config, outcore.AdamW(lr=1e-3),
@@ -159,7 +166,7 @@ def test_a_bf16_run_merges_as_peft_does_and_offline_the_same(tmp_path):
 
 
 @pytest.mark.parametrize(("kind", "options", "message"), [
-    ("llama", dict(target_modules=["q_proj"], use_dora=True), r"'model\.layers\.0\.self_attn\.q_proj' is a DoraLinear"),
+    ("llama", dict(target_modules=["embed_tokens"], use_dora=True), r"'model\.embed_tokens' is a DoraEmbeddingVariant"),
     ("llama-tied", dict(target_modules=["lm_head"]), "'lm_head.weight' is tied to 'model.embed_tokens.weight'"),
 ])
 def test_an_adapter_whose_merge_is_not_a_plain_sum_is_refused_by_name_and_nothing_is_written(tmp_path, kind, options,
@@ -168,7 +175,7 @@ def test_an_adapter_whose_merge_is_not_a_plain_sum_is_refused_by_name_and_nothin
     with warnings.catch_warnings():  # peft warns of an adapter on a tied weight
         warnings.simplefilter("ignore")
         model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), peft.LoraConfig(r=2, **options))
-    engine = outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP))  # DoRA's magnitude needs the weights
+    engine = outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP))
     out = tmp_path / "out"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")

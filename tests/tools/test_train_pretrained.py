@@ -120,9 +120,11 @@ def test_lora_alpha_and_targets_are_peft_s_and_the_count_of_what_trains_is_too(t
     assert main(["estimate", "--model", model_dir, "--lora-targets", "q_proj"]) == 2
 
 
-def test_pissa_from_the_command_line_exports_adapters_peft_loads_as_the_merged_model(tmp_path, model_dir, jsonl):
+def test_pissa_and_dora_from_the_command_line_export_adapters_peft_loads_as_the_merged_model(tmp_path, model_dir,
+                                                                                            jsonl):
     """--lora-init pissa: the engine computes PiSSA from the weights it reads; the adapters, loaded
-    by peft onto the original model (peft computes the same residual), give the merged model."""
+    by peft onto the original model (peft computes the same residual), give the merged model. The
+    same for --dora, whose merge rescales each row."""
     args = train_args(tmp_path, model_dir, jsonl, "--lora", "4", "--lora-init", "pissa", "--lora-targets",
                       "q_proj,down_proj", "--steps", "3", "--lr", "1e-2", "--merge-adapters")
     assert main(args) == 0
@@ -136,12 +138,15 @@ def test_pissa_from_the_command_line_exports_adapters_peft_loads_as_the_merged_m
         torch.testing.assert_close(loaded.eval()(x).logits, merged(x).logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(merged(x).logits, base(x).logits)  # three steps changed the model
 
+    dora = tmp_path / "dora"
     assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "2", "--dora", "--lora-targets", "v_proj", "--steps",
-                           "2", "--out", str(tmp_path / "dora"))) == 0
-    written = json.loads((tmp_path / "dora" / "adapters" / "adapter_config.json").read_text())
-    assert written["use_dora"] is True
-    assert any("lora_magnitude_vector" in k for k in load_file(str(tmp_path / "dora" / "adapters" /
-                                                                  "adapter_model.safetensors")))
+                           "2", "--out", str(dora), "--merge-adapters")) == 0
+    assert json.loads((dora / "adapters" / "adapter_config.json").read_text())["use_dora"] is True
+    assert any("lora_magnitude_vector" in k for k in load_file(str(dora / "adapters" / "adapter_model.safetensors")))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(dora / "adapters"))
+    merged = AutoModelForCausalLM.from_pretrained(str(dora / "model")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, merged(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
