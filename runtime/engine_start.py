@@ -135,7 +135,7 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
         if pretrained is None or stored is None:
             return None
         read_in.add(slot)
-        return pretrained.read(stored, torch.float32)
+        return pretrained.read_parameter(slot, stored)
 
     configs = adapter_configs(model)
     for unit in units:
@@ -155,7 +155,7 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
     for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
         stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
         if pretrained is not None and stored is not None:
-            value = pretrained.read(stored, torch.float32)
+            value = pretrained.read_parameter(slot, stored)
         else:
             module, name = slot.places[0]
             param = module._parameters[name]

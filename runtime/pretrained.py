@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from outcore.runtime.hf_conversion import MergedTensor, assemble, convert_names
+from outcore.runtime.hf_model import wrapped_model
 from outcore.runtime.safetensors_stream import ST_DTYPES
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
@@ -157,6 +158,7 @@ class PretrainedWeights:
         self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
         self._model: nn.Module | None = None  # set by check(): merged tensors are built for it
+        self._grown: dict[ParamSlot, int] = {}  # a resized vocabulary's slot -> the rows the files hold
 
     def check(self, slots: Iterable[ParamSlot], model: nn.Module,
               new: Callable[[ParamSlot], bool] = lambda _slot: False) -> None:
@@ -172,6 +174,7 @@ class PretrainedWeights:
             log.info("weights: %d stored tensor(s) of %s renamed or merged as transformers loads them",
                      converted, self.path)
         self._model = model
+        vocabulary = _vocabulary_names(model)
         known: set[str] = set()
         for slot in slots:
             names = [model_name(n) for n in slot.state_dict_names]
@@ -183,7 +186,16 @@ class PretrainedWeights:
                                      + (f" (nor {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
                                      + "; it is a parameter of the model. Name the files of this model.")
                 continue
-            self._check_fits(stored, tuple(slot.shape), torch.float32, names[0])
+            if set(names) & vocabulary and _grown(stored.shape, tuple(slot.shape)):
+                self._grown[slot] = stored.shape[0]
+                log.warning("weights: %r has %d rows in %s and %d in the model (its vocabulary was resized): the "
+                            "%d new rows start as the mean of the stored ones, as transformers' "
+                            "resize_token_embeddings starts them", names[0], stored.shape[0], self.path,
+                            slot.shape[0], slot.shape[0] - stored.shape[0])
+                stored_shape = (slot.shape[0], *stored.shape[1:])
+            else:
+                stored_shape = stored.shape
+            self._check_fits(stored, tuple(slot.shape), torch.float32, names[0], stored_shape)
         buffers = {model_name(n): b for n, b in model.named_buffers()}
         for name, buf in buffers.items():
             if name in self.tensors:
@@ -210,6 +222,18 @@ class PretrainedWeights:
             if stored is not None:
                 return stored
         return None
+
+    def read_parameter(self, slot: ParamSlot, stored: StoredTensor | MergedTensor) -> torch.Tensor:
+        """A parameter's stored value (in its stored dtype, for fp32 training), with the rows a
+        resized vocabulary added beyond the stored ones set to the stored rows' mean (in fp32)."""
+        value = self.read(stored, torch.float32)
+        rows = self._grown.get(slot)
+        if rows is None:
+            return value
+        grown = torch.empty(tuple(slot.shape), dtype=torch.float32)
+        grown[:rows] = value
+        grown[rows:] = grown[:rows].mean(dim=0)
+        return grown
 
     def read(self, stored: StoredTensor | MergedTensor, dtype: torch.dtype) -> torch.Tensor:
         """The tensor, read into fresh memory (not mapped: a mapped file's pages would count in RSS
@@ -240,8 +264,8 @@ class PretrainedWeights:
         self._open.clear()
 
     def _check_fits(self, stored: StoredTensor | MergedTensor, shape: tuple[int, ...], dtype: torch.dtype,
-                    name: str) -> None:
-        if stored.shape != shape:
+                    name: str, stored_shape: tuple[int, ...] | None = None) -> None:
+        if (stored.shape if stored_shape is None else stored_shape) != shape:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} has shape {list(stored.shape)}, the "
                              f"model's {name!r} has {list(shape)}: these weights are for another model or config.")
         convertible = stored.dtype is not None and (
@@ -249,3 +273,18 @@ class PretrainedWeights:
         if not convertible:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} is {stored.dtype or 'of an unknown dtype'}, "
                              f"which cannot be converted to the model's {dtype}.")
+
+
+def _vocabulary_names(model: nn.Module) -> set[str]:
+    """The names, as the files spell them, of the parameters whose rows are the vocabulary: the
+    input embedding's weight and the output head's weight and bias."""
+    base = wrapped_model(model)
+    ends = [m for m in (getattr(base, "get_input_embeddings", lambda: None)(),
+                        getattr(base, "get_output_embeddings", lambda: None)()) if isinstance(m, nn.Module)]
+    return {model_name(f"{name}.{p}") for name, m in base.named_modules() if any(m is e for e in ends)
+            for p in ("weight", "bias")}
+
+
+def _grown(stored: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether `shape` is `stored` with rows added (a vocabulary resized by resize_token_embeddings)."""
+    return len(stored) == len(shape) and stored[0] < shape[0] and stored[1:] == shape[1:]
