@@ -34,6 +34,7 @@ class HFModel:
     lora_targets: tuple[str, ...] | None = None  # module names peft matches; None: every linear module
     lora_init: str | None = None  # peft's init_lora_weights; None: its default (A random, B zero)
     dora: bool = False  # peft's use_dora
+    vocab_size: int | None = None  # the vocabulary resized to this (tokens added to the tokenizer); None: config's
     # Training packs text for a causal LM; sizing memory (`outcore estimate`) takes any model, built
     # with its LM head where transformers has one (a causal or a sequence-to-sequence LM).
     causal_only: bool = True
@@ -126,9 +127,13 @@ class HFModel:
         with deferred_init():
             for kind in kinds:
                 try:
-                    return kind.from_config(config)
+                    model = kind.from_config(config)
                 except ValueError as e:
                     first = first or e
+                    continue
+                if self.vocab_size is not None:  # the engine fills the new rows: transformers' mean needs weights
+                    model.resize_token_embeddings(self.vocab_size, mean_resizing=False)
+                return model
         what = f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), which"
         if self.causal_only:
             raise ValueError(f"{what} transformers builds no causal language model from; the command line "

@@ -4,9 +4,10 @@ only a `Job`: how to build the model, what to give the engine, the data, the los
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from outcore.tools.corpus import VOCAB, batch_generator, file_corpus, stdlib_cor
 from outcore.tools.hf_source import HFModel
 from outcore.tools.model_source import resolve_model, unit_numels
 from outcore.tools.presets import PRESETS
+
+log = logging.getLogger(__name__)
 
 # Peak learning rates by size, as GPT-3's table (Brown et al. 2020) gives them; tiny trains fast.
 LEARNING_RATES = {"tiny": 2e-3, "gpt-125m": 6e-4, "gpt-350m": 3e-4, "gpt-1b": 2e-4, "gpt-2b": 1.6e-4,
@@ -104,7 +107,17 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     train_set, held_out = token_corpus(data, tokenizer, seq)
     vocab = getattr(config, "vocab_size", None)
     largest = max(int(train_set.tokens.max()), int(held_out.tokens.max()))
-    if isinstance(vocab, int) and largest >= vocab:  # the embedding would fail deep in the forward
+    added = isinstance(vocab, int) and tokenizer.vocab_size <= vocab < len(tokenizer)  # added to the model's own
+    if isinstance(vocab, int) and added and largest >= vocab:  # and used: the model's vocabulary grows for them
+        if lora:
+            raise ValueError(f"the tokenizer in {directory!r} has {len(tokenizer)} tokens, more than the model's "
+                             f"vocabulary of {vocab} (vocab_size in its config.json), and --data uses the added ones: "
+                             "their rows would be new and --lora leaves them untrained. Fine-tune the whole model "
+                             "(without --lora), which resizes its vocabulary.")
+        log.warning("the tokenizer in %s has %d tokens and the model %d, and --data uses the added ones: the model's "
+                    "vocabulary is resized to %d", directory, len(tokenizer), vocab, len(tokenizer))
+        source = replace(source, vocab_size=len(tokenizer))
+    elif isinstance(vocab, int) and largest >= vocab:  # the embedding would fail deep in the forward
         raise ValueError(f"the tokenizer in {directory!r} gives token id {largest} on --data, but the model's "
                          f"vocabulary is {vocab} tokens (vocab_size in its config.json); the directory needs the "
                          "model's own tokenizer.")

@@ -149,6 +149,34 @@ def test_pissa_and_dora_from_the_command_line_export_adapters_peft_loads_as_the_
         torch.testing.assert_close(loaded.eval()(x).logits, merged(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_tokens_added_to_the_tokenizer_grow_the_vocabulary_of_a_full_fine_tune(tmp_path, model_dir, caplog):
+    """As transformers' run_clm does: a tokenizer with tokens added beyond the model's vocabulary (and
+    data that uses them) resizes the model, whose new rows start at the stored rows' mean; the
+    export is a model of the new vocabulary with its tokenizer. --lora, which would leave those rows
+    untrained, is refused."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
+    added = [f"<extra{i}>" for i in range(vocab + 4 - len(tokenizer))]
+    tokenizer.add_tokens(added)
+    tokenizer.save_pretrained(model_dir)
+    assert len(tokenizer) == vocab + 4
+    data = tmp_path / "added.jsonl"  # the last ones added: ids beyond the model's vocabulary
+    data.write_text("".join(json.dumps({"text": f"{STORY} {added[-1 - i % 4]} " * 3}) + "\n" for i in range(40)))
+    with caplog.at_level("WARNING"):
+        assert main(train_args(tmp_path, model_dir, str(data), "--steps", "2")) == 0
+    assert any(f"the model's vocabulary is resized to {vocab + 4}" in r.getMessage() for r in caplog.records)
+    out = json.loads((tmp_path / "summary.json").read_text())["exported"]
+    back = AutoModelForCausalLM.from_pretrained(out)
+    assert back.config.vocab_size == vocab + 4 and back.get_input_embeddings().weight.shape[0] == vocab + 4
+    assert len(AutoTokenizer.from_pretrained(out)) == vocab + 4
+
+    args = train_args(tmp_path, model_dir, str(data), "--steps", "2", "--lora", "2", "--out", str(tmp_path / "lora"))
+    assert main(args) == 2
+    assert not (tmp_path / "lora").exists()
+
+
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
     """peft's "all-linear" also wraps Mixtral's fused experts and router, bare parameters the engine
     refuses; the command line makes the adapters again on the linear modules, and says so once."""
