@@ -154,15 +154,14 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
     flat32 = torch.zeros(lay.padded, dtype=torch.float32)
     for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
         stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
+        into = flat32[off : off + slot.numel].view(slot.shape)
         if pretrained is not None and stored is not None:
-            value = pretrained.read_parameter(slot, stored)
+            pretrained.read_parameter(slot, stored, out=into)
         else:
             module, name = slot.places[0]
             param = module._parameters[name]
             assert param is not None and not param.is_meta
-            value = param.detach()
-        flat32[off : off + slot.numel].copy_(value.reshape(-1))
-        del value
+            into.copy_(param.detach())
     master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
     for c in unit.chunks:
         state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)

@@ -223,17 +223,23 @@ class PretrainedWeights:
                 return stored
         return None
 
-    def read_parameter(self, slot: ParamSlot, stored: StoredTensor | MergedTensor) -> torch.Tensor:
-        """A parameter's stored value (in its stored dtype, for fp32 training), with the rows a
-        resized vocabulary added beyond the stored ones set to the stored rows' mean (in fp32)."""
+    def read_parameter(self, slot: ParamSlot, stored: StoredTensor | MergedTensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """A parameter's stored value, into `out` (of the parameter's shape) when given, else as read
+        (in its stored dtype, for fp32 training). The rows a resized vocabulary added beyond the
+        stored ones are set to the stored rows' mean, in fp32."""
         value = self.read(stored, torch.float32)
         rows = self._grown.get(slot)
-        if rows is None:
+        if out is None and rows is None:
             return value
-        grown = torch.empty(tuple(slot.shape), dtype=torch.float32)
-        grown[:rows] = value
-        grown[rows:] = grown[:rows].mean(dim=0)
-        return grown
+        if out is None:
+            out = torch.empty(tuple(slot.shape), dtype=torch.float32)
+        if rows is None:
+            return out.copy_(value)
+        out[:rows] = value
+        del value
+        out[rows:] = out[:rows].float().mean(dim=0)
+        return out
 
     def read(self, stored: StoredTensor | MergedTensor, dtype: torch.dtype) -> torch.Tensor:
         """The tensor, read into fresh memory (not mapped: a mapped file's pages would count in RSS
