@@ -164,13 +164,18 @@ def _reset_method(layer: nn.Module, name: str, config: object) -> str | None:
         if init == "lycoris" and callable(getattr(layer, "reset_adapter_parameters_lycoris_way", None)):
             return "reset_adapter_parameters_lycoris_way"
         return "reset_adapter_parameters" if init else "reset_adapter_parameters_random"
-    raise ValueError(f"{name!r}: the engine does not initialize peft's {_kind(config)} adapters under "
+    raise ValueError(f"{name!r}: the engine does not initialize peft's {_kind(config, layer)} adapters under "
                      "deferred_init() (it does LoRA, with DoRA, PiSSA or OLoRA, IA3, LoHa and LoKr). Build the "
                      "model with its weights (from_pretrained) before get_peft_model, which initializes them.")
 
 
-def _kind(config: object) -> str:
-    """peft's name for the adapter type of `config` (VERA, PREFIX_TUNING, ...)."""
+def _kind(config: object, layer: nn.Module | None = None) -> str:
+    """peft's name for an adapter type: its tuner's package for a layer (vera, boft,
+    trainable_tokens, which a LoraConfig's `trainable_token_indices` adds), else the config's
+    type (PREFIX_TUNING, ...)."""
+    parts = type(layer).__module__.split(".") if layer is not None else []
+    if "tuners" in parts[:-1]:
+        return parts[parts.index("tuners") + 1]
     kind = getattr(config, "peft_type", None)
     return str(getattr(kind, "value", kind or type(config).__name__))
 

@@ -197,8 +197,10 @@ def test_ia3_loha_and_lokr_under_deferred_init_start_as_peft_and_train_as_plain_
 
 
 REFUSED_TYPES = {
-    "VERA": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
-    "BOFT": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj"]),
+    "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj"]),
+    "trainable_tokens": lambda: peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                trainable_token_indices={"embed_tokens": [3, 5]}),
     "PREFIX_TUNING": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
 }
 
