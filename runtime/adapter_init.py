@@ -11,7 +11,8 @@ materialized (runtime/materialize.py), for the adapters that are still without v
   frozen base the engine then holds is that residual, as peft's would be. DoRA's magnitude (the norm
   of each of W's rows, with the adapter's update) is computed from W too, after A and B.
   For these, W is read (from `weights=`) into its module first; its unit takes it from there
-  (`read_base`), so it is read once. A tied W (one parameter under two names) is refused by name.
+  (`read_base`), so it is read once. PiSSA or OLoRA on a tied W (one parameter under two names)
+  is refused by name: it would change both.
 - "orthogonal": A and B drawn from one random orthogonal matrix.
 
 Initializations that need data, gradients or a quantized model (EVA, CorDA, LoRA-GA, LoftQ, MiCA)
@@ -20,7 +21,10 @@ peft's layers other than Linear (Embedding, convolutions) take the plain initial
 `init_lora_weights` that is not theirs, as peft's own `update_layer` for them does.
 
 IA3's vectors (ones, or as drawn with `init_ia3_weights=False`) and LoHa's and LoKr's factors (by
-`init_weights`) are initialized by their layers' own reset methods too. Other adapter types (VeRA's
+`init_weights`) are initialized by their layers' own reset methods too. Trainable tokens (LoRA's
+`trainable_token_indices`) start as their rows of the embedding, read as DoRA reads W, and keep a
+copy of them, a buffer peft uses to unmerge, which the engine's buffer pass leaves to this
+(`computed_buffers`). Other adapter types (VeRA's
 and BOFT's computed buffers, prompt learning) are refused by name under deferred_init(): peft
 initializes them on a model built with its weights.
 """
@@ -32,8 +36,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-ReadBase = Callable[[nn.Module, str], "torch.Tensor | None"]
-"""A base weight's stored value (`weights=`), read once; None where the module's own value stands."""
+ReadBase = Callable[[nn.Module, str, bool], "torch.Tensor | None"]
+"""`read_base(module, name, changes)`: a base weight's stored value (`weights=`), read once; None
+where the module's own value stands. `changes`: the initialization will change it."""
 REFUSED = ("eva", "corda", "lora_ga", "loftq", "mica")  # peft computes these from data or a quantized model
 
 
@@ -88,11 +93,13 @@ def initialize_adapters(layer: nn.Module, name: str, fresh: set[nn.Module], conf
         if any(c in fresh for part in parts for c in part.modules()):
             if is_lora_layer(layer):
                 _factors(layer, name, adapter, getattr(config, "init_lora_weights", True), read_base)
+            elif _is_trainable_tokens(layer):
+                _trainable_tokens(layer, adapter, config, read_base)
             else:
                 _reset_other(layer, name, adapter, config)
         magnitude = magnitudes(layer).get(adapter)
         if magnitude is not None and magnitude in fresh:
-            _base_weight(layer, read_base)
+            _base_weight(layer, read_base, changes=False)
             a, b = _factor_weights(layer, adapter)
             update = getattr(magnitude, "update_layer")  # noqa: B009 - a method mypy sees as a Tensor
             update(base_layer=getattr(layer, "get_base_layer")(), lora_A=a, lora_B=b,  # noqa: B009
@@ -110,7 +117,7 @@ def check_adapter_inits(model: nn.Module) -> None:
                          "model with its weights (from_pretrained) before get_peft_model, and give the engine "
                          "that model without weights=.")
     for name, layer in model.named_modules():
-        if not is_tuner_layer(layer):
+        if not is_tuner_layer(layer) or _is_trainable_tokens(layer):
             continue
         for adapter, parts in adapter_parts(layer).items():
             if any(p.is_meta for part in parts for p in part.parameters()):
@@ -136,16 +143,41 @@ def _factors(layer: nn.Module, name: str, adapter: str, init: object,
         getattr(layer, "reset_lora_parameters")(adapter, init)  # noqa: B009 - a method mypy sees as a Tensor
         return
     if isinstance(method, str) and method.startswith("pissa"):
-        _base_weight(layer, read_base)
+        _base_weight(layer, read_base, changes=True)
         getattr(layer, "pissa_init")(adapter, init)  # noqa: B009
     elif method == "olora":
-        _base_weight(layer, read_base)
+        _base_weight(layer, read_base, changes=True)
         getattr(layer, "olora_init")(adapter)  # noqa: B009
     elif method == "orthogonal":
         getattr(layer, "orthogonal_init")(adapter)  # noqa: B009
     else:
         raise ValueError(f"{name!r}: init_lora_weights={init!r} is not an initialization the engine knows; choose "
                          "True, False, 'gaussian', 'pissa', 'pissa_niter_N', 'olora' or 'orthogonal'.")
+
+
+def computed_buffers(model: nn.Module) -> set[nn.Module]:
+    """The modules whose buffers an adapter's initialization computes from the weights (trainable
+    tokens' copy of their rows), which the engine's buffer pass leaves on the meta device."""
+    return {getattr(m, "trainable_tokens_original") for m in model.modules()  # noqa: B009
+            if _is_trainable_tokens(m) and getattr(m, "tied_adapter", None) is None}
+
+
+def _is_trainable_tokens(layer: nn.Module) -> bool:
+    return is_tuner_layer(layer) and isinstance(getattr(layer, "trainable_tokens_delta", None), nn.ParameterDict)
+
+
+def _trainable_tokens(layer: nn.Module, adapter: str, config: object, read_base: ReadBase) -> None:
+    """peft's TrainableTokensLayer.update_layer: the delta starts as the tokens' rows of the
+    embedding (or as drawn, randn, with `init_weights=False`), and a copy of the rows is kept.
+    A layer tied to another (an output head's) shares that one's, initialized there."""
+    if getattr(layer, "tied_adapter", None) is not None:
+        return
+    _base_weight(layer, read_base, changes=False)
+    base = getattr(layer, "get_base_layer")()  # noqa: B009
+    rows = base.weight.detach()[getattr(layer, "token_indices")[adapter]]  # noqa: B009
+    if getattr(config, "init_weights", True):  # (a LoraConfig's trainable_token_indices: peft's default, True)
+        getattr(layer, "trainable_tokens_delta")[adapter].copy_(rows)  # noqa: B009
+    getattr(layer, "trainable_tokens_original")[adapter] = rows.clone()  # noqa: B009
 
 
 def _reset_other(layer: nn.Module, name: str, adapter: str, config: object) -> None:
@@ -188,11 +220,11 @@ def _is_linear(layer: nn.Module) -> bool:
     return isinstance(layer, Linear)
 
 
-def _base_weight(layer: nn.Module, read_base: ReadBase) -> None:
+def _base_weight(layer: nn.Module, read_base: ReadBase, *, changes: bool) -> None:
     base = getattr(layer, "get_base_layer")()  # noqa: B009
     weight = base._parameters["weight"]
     assert weight is not None
-    value = read_base(base, "weight")
+    value = read_base(base, "weight", changes)
     if value is not None:
         base._parameters["weight"] = nn.Parameter(value.to(weight.dtype), requires_grad=weight.requires_grad)
 

@@ -21,7 +21,7 @@ from torch import nn
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
-from outcore.runtime.adapter_init import adapter_configs
+from outcore.runtime.adapter_init import adapter_configs, computed_buffers
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
@@ -108,7 +108,10 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
     shard (the module's own copies are dropped). The buffers come first, onto the device: from
     `pretrained` where it holds them, else recomputed when built on the meta device."""
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    later = computed_buffers(model)  # an adapter's initialization computes these from the weights
     for module, prefix in names.items():
+        if module in later:
+            continue
         full = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
         stored = {n: pretrained.tensors[model_name(f)] for n, f in full.items()
                   if pretrained is not None and model_name(f) in pretrained.tensors}
@@ -124,17 +127,19 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
     slot_at = {place: slot for u in units for slot in u.plan.slots for place in slot.places}
     read_in: set[ParamSlot] = set()  # base weights an adapter's initialization read into their module
 
-    def read_base(module: nn.Module, name: str) -> torch.Tensor | None:
+    def read_base(module: nn.Module, name: str, changes: bool) -> torch.Tensor | None:
         slot = slot_at[(module, name)]
-        if len(slot.places) > 1:
+        tied = len(slot.places) > 1
+        if tied and changes:
             raise ValueError(f"{names[module]}.{name} is tied to another parameter ({', '.join(slot.state_dict_names)}"
-                             "): an adapter initialized from it would change or read only one of them. Leave it out "
-                             "of target_modules, or initialize that adapter as peft does by default "
-                             "(init_lora_weights=True, use_dora=False).")
+                             "): an adapter initialized from it would change only one of them. Leave it out of "
+                             "target_modules, or initialize that adapter as peft does by default "
+                             "(init_lora_weights=True).")
         stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
         if pretrained is None or stored is None:
             return None
-        read_in.add(slot)
+        if not tied:  # its unit takes it from the module; a tied one's other place reads the files again
+            read_in.add(slot)
         return pretrained.read_parameter(slot, stored)
 
     configs = adapter_configs(model)

@@ -48,7 +48,7 @@ def _unit_modules(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module]) ->
     return list(plan.module.modules())
 
 
-def _no_weights(_module: nn.Module, _name: str) -> torch.Tensor | None:
+def _no_weights(_module: nn.Module, _name: str, _changes: bool) -> torch.Tensor | None:
     return None  # without weights=, every parameter holds its own initialized value
 
 

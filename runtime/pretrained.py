@@ -139,8 +139,9 @@ def model_name(name: str) -> str:
     return _TRAINED_WHOLE.sub(".", name.replace(".base_layer.", "."))
 
 
-_TRAINED_WHOLE = re.compile(r"\.(original_module|modules_to_save\.[^.]+)\.")
-"""A peft `ModulesToSaveWrapper`'s two places for the module it wraps."""
+_TRAINED_WHOLE = re.compile(r"\.(original_module|modules_to_save\.[^.]+|token_adapter)\.")
+"""A peft `ModulesToSaveWrapper`'s two places for the module it wraps, and the place a
+`TrainableTokensWrapper` keeps it (`trainable_token_indices`)."""
 
 
 class PretrainedWeights:

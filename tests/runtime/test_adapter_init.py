@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from hf_models import deferred, save_model, token_batches
+from safetensors.torch import load_file
 from test_merged_export import HP, merged_reference, nvme_config, train_beside_plain_peft
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,15 +135,33 @@ def test_an_initialization_that_needs_data_is_refused_by_name_and_nothing_is_lef
     assert not (tmp_path / "nvme").exists()  # refused before the store is made
 
 
-@pytest.mark.parametrize("options", [dict(init_lora_weights="olora"), dict(use_dora=True)])
-def test_an_initialization_from_a_tied_weight_is_refused_by_name(tmp_path, options):
+@pytest.mark.parametrize("init", ["olora", "pissa"])
+def test_an_initialization_that_changes_a_tied_weight_is_refused_by_name(tmp_path, init):
     directory = save_model("llama-tied", str(tmp_path / "m"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft warns of an adapter on a tied weight
-        model = wrapped_deferred(directory, peft.LoraConfig(r=2, target_modules=["lm_head"], **options))
-    with pytest.raises(ValueError, match=r"lm_head.*tied to.*model\.embed_tokens\.weight.*change or read only one"):
+        model = wrapped_deferred(directory, peft.LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=init))
+    with pytest.raises(ValueError, match=r"lm_head.*tied to .*model\.embed_tokens\.weight.*change only one"):
         outcore.Engine(model, nvme_config(tmp_path), outcore.AdamW(**HP), weights=directory)
     assert not os.listdir(tmp_path / "nvme")
+
+
+def test_dora_on_a_tied_head_reads_its_weight_and_trains_as_plain_peft(tmp_path):
+    """DoRA only reads W: a tied one is read for the magnitude and again by its unit."""
+    directory = save_model("llama-tied", str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"], use_dora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft warns of an adapter on a tied weight
+        engine = outcore.Engine(wrapped_deferred(directory, lora), nvme_config(tmp_path), outcore.AdamW(**HP),
+                                weights=directory)
+        expected = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora).state_dict()
+        start = engine.full_state_dict()
+        assert start.keys() == expected.keys()
+        for name, value in start.items():
+            if ".lora_A." not in name:
+                assert torch.equal(value, expected[name]), name
+        train_beside_plain_peft(engine, directory, lora)
+    engine.close()
 
 
 def test_dora_wrapped_outside_deferred_init_computes_its_magnitude_from_the_weights(tmp_path):
@@ -196,11 +215,38 @@ def test_ia3_loha_and_lokr_under_deferred_init_start_as_peft_and_train_as_plain_
         torch.testing.assert_close(loaded.eval()(x).logits, trained.eval()(x).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "llama-tied"])
+def test_trainable_tokens_start_as_their_rows_of_the_embedding_and_train_as_plain_peft(tmp_path, kind):
+    """LoRA's trainable_token_indices under deferred_init(): the tokens' rows are read from the
+    embedding's stored weight (a tied head follows the embedding's adapter, as in peft)."""
+    directory = save_model(kind, str(tmp_path / "m"))
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [3, 5, 7]})
+    engine = outcore.Engine(wrapped_deferred(directory, lora), nvme_config(tmp_path), outcore.AdamW(**HP),
+                            weights=directory)
+    start = engine.full_state_dict()
+    expected = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora).state_dict()
+    assert start.keys() == expected.keys()
+    for name, value in start.items():
+        if ".lora_A." not in name:  # (drawn at random)
+            assert torch.equal(value, expected[name]), name
+    stored = load_file(os.path.join(directory, "model.safetensors"))["model.embed_tokens.weight"]
+    delta = start["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"]
+    assert torch.equal(delta, stored[[3, 5, 7]])
+    train_beside_plain_peft(engine, directory, lora)
+    engine.export(str(tmp_path / "adapters"), adapters_only=True)
+    trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    trained.load_state_dict(engine.full_state_dict(), strict=True)
+    engine.close()
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), str(tmp_path / "adapters"))
+    x = token_batches(1, seed=9)[0]
+    x[:, ::2] = 5  # a trained token
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, trained.eval()(x).logits, rtol=0, atol=0)
+
+
 REFUSED_TYPES = {
     "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
     "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj"]),
-    "trainable_tokens": lambda: peft.LoraConfig(r=2, target_modules=["q_proj"],
-                                                trainable_token_indices={"embed_tokens": [3, 5]}),
     "PREFIX_TUNING": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
 }
 

@@ -75,3 +75,47 @@ def test_rows_beyond_the_vocabulary_or_fewer_rows_are_still_another_model(tmp_pa
     config = outcore.Config(offload_params="nvme", nvme_dir=str(tmp_path / "nvme"))
     with pytest.raises(ValueError, match=r"'model\.embed_tokens\.weight'.*has shape .*these weights are for another"):
         outcore.Engine(model, config, weights=directory)
+
+
+def test_lora_trains_the_new_tokens_rows_with_trainable_token_indices(tmp_path):
+    """The way peft trains added tokens under LoRA: their rows of the embedding and of the untied
+    head, which start at the stored rows' mean."""
+    peft = pytest.importorskip("peft")
+    directory = save_model("llama", str(tmp_path / "m"))
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    vocab = stored["model.embed_tokens.weight"].shape[0]
+    new = list(range(vocab, vocab + ADDED))
+
+    def lora():
+        return peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": new,
+                                                                                        "lm_head": new})
+
+    with outcore.deferred_init():
+        model = peft.get_peft_model(resized_deferred(directory), lora())
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
+                            grad_clip=None)
+    engine = outcore.Engine(model, config, outcore.AdamW(**HP), weights=directory)
+    start = engine.full_state_dict()
+    for part, name in (("model.embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")):
+        delta = start[f"base_model.model.{part}.token_adapter.trainable_tokens_delta.default"]
+        assert torch.equal(delta, stored[name].mean(dim=0).expand(ADDED, -1))
+
+    plain = AutoModelForCausalLM.from_pretrained(directory)
+    plain.resize_token_embeddings(vocab + ADDED, mean_resizing=False)
+    plain = peft.get_peft_model(plain, lora())
+    plain.load_state_dict(start, strict=True)
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], **HP)
+    for x in token_batches(3):
+        x[:, ::3] = vocab + x[:, ::3] % ADDED
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        expected = plain(input_ids=x, labels=x).loss
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    trained = engine.full_state_dict()
+    delta = trained["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"]
+    assert not torch.equal(delta, stored["model.embed_tokens.weight"].mean(dim=0).expand(ADDED, -1))
+    engine.close()
