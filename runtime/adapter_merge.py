@@ -14,9 +14,10 @@ peft does it: once with the sum for a Linear layer, first on its own for an Embe
 its adapter sit in the same unit (the adapter is the module's child), so a unit and its frozen
 sibling hold all that a merged tensor needs. DoRA on a Linear layer (one adapter) rescales the sum
 instead: each output row of W + delta is multiplied by its magnitude over its norm, in fp32, then
-rounded once, as peft's merge does. Variants whose merge is neither (DoRA on other layers, the other
-`lora_variant`s, convolutions, attention, trainable tokens) are refused by module name before
-anything is written.
+rounded once, as peft's merge does. Trainable tokens (`trainable_token_indices`) replace their rows
+of the embedding (or head) they wrap, as peft's `index_copy` does. Variants whose merge is none of
+these (DoRA on other layers, the other `lora_variant`s, convolutions, attention) are refused by
+module name before anything is written.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class AdapterMerge:
     renamed: dict[str, str] = field(default_factory=dict)
     added: dict[str, list[Contribution]] = field(default_factory=dict)
     rescaled: dict[str, str] = field(default_factory=dict)  # a DoRA weight -> its magnitude's name
+    replaced: dict[str, list[tuple[str, list[int]]]] = field(default_factory=dict)  # -> (rows' values, row indices)
 
     def refuse_untying(self, tied: list[str]) -> None:
         """A ValueError where an adapter adapts one of the `tied` names (one parameter's): merging
@@ -67,23 +69,35 @@ class AdapterMerge:
         return {"renamed": self.renamed,
                 "added": {k: [[c.a, c.b, c.scaling, c.transpose, c.rounded] for c in cs]
                           for k, cs in self.added.items()},
-                "rescaled": self.rescaled}
+                "rescaled": self.rescaled,
+                "replaced": {k: [[delta, rows] for delta, rows in rs] for k, rs in self.replaced.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> AdapterMerge:
         return cls(dict(d["renamed"]), {k: [Contribution(a, b, float(s), bool(t), bool(r)) for a, b, s, t, r in cs]
                                         for k, cs in d["added"].items()},
-                   dict(d.get("rescaled", {})))  # (checkpoints before DoRA merged have none)
+                   dict(d.get("rescaled", {})),  # (checkpoints before DoRA merged have none)
+                   {k: [(delta, list(rows)) for delta, rows in rs] for k, rs in d.get("replaced", {}).items()})
+
+    def changes(self, name: str) -> bool:
+        """Whether the merge changes the peft tensor `name` (else it is written as it is)."""
+        return name in self.added or name in self.replaced
 
     def inputs(self, name: str) -> list[str]:
         """The tensors besides `name` that its merged value reads: its adapters' factors, a DoRA magnitude."""
         factors = [n for c in self.added.get(name, ()) for n in (c.a, c.b) if n is not None]
-        return factors + ([self.rescaled[name]] if name in self.rescaled else [])
+        rows = [delta for delta, _ in self.replaced.get(name, ())]
+        return factors + ([self.rescaled[name]] if name in self.rescaled else []) + rows
 
     def merged(self, name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The value of the peft tensor `name` after the merge, from `tensors`, which holds it and
         its adapters' factors (CPU tensors, left as they are: a merged tensor is a new one)."""
         value = tensors[name]
+        if name in self.replaced:
+            value = value.clone()
+            for values, rows in self.replaced[name]:
+                value[rows] = tensors[values].to(value.dtype)
+            return value
         if name not in self.added:
             return value
         if name in self.rescaled:
@@ -123,6 +137,7 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
     from peft.utils import other
 
     ModulesToSaveWrapper = other.ModulesToSaveWrapper
+    TrainableTokensWrapper = getattr(other, "TrainableTokensWrapper", ())  # (peft >= 0.15)
     wrappers = (getattr(other, "AuxiliaryTrainingWrapper", ModulesToSaveWrapper), BaseTunerLayer)  # (peft < 0.15)
 
     base = wrapped_model(peft_model)
@@ -132,9 +147,18 @@ def adapter_merge(peft_model: nn.Module, names: list[str]) -> AdapterMerge:
     moved: dict[str, str] = {}  # module path in the peft model -> the path its tensors take
     dropped: set[str] = set()  # module paths whose tensors are adapters'
     for path, module in peft_model.named_modules():
-        if not path.startswith(prefix) or any(a in dropped for a in _ancestors(path)):
+        if not path.startswith(prefix) or path in dropped or any(a in dropped for a in _ancestors(path)):
             continue
-        if isinstance(module, ModulesToSaveWrapper):
+        if isinstance(module, TrainableTokensWrapper):
+            tokens = getattr(module, "token_adapter")  # noqa: B009
+            if isinstance(tokens.get_base_layer(), BaseTunerLayer):
+                raise _refused(path, prefix, f"TrainableTokens (over {type(tokens.get_base_layer()).__name__})")
+            moved[f"{path}.token_adapter.base_layer"] = path
+            dropped.add(f"{path}.token_adapter")
+            merge.replaced[f"{path}.token_adapter.base_layer.weight"] = [
+                (f"{path}.token_adapter.trainable_tokens_delta.{a}", list(tokens.token_indices[a]))
+                for a in tokens.active_adapters if a in tokens.token_indices]
+        elif isinstance(module, ModulesToSaveWrapper):
             _refuse_tuner_inside(module, path[len(prefix):], BaseTunerLayer)
             active = list(module.active_adapters)
             moved[f"{path}.modules_to_save.{active[0]}" if active else f"{path}.original_module"] = path

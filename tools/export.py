@@ -105,7 +105,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
                         last_param, last_value = param, shards.parameter(unit_index, param)
                     value = last_value.to(torch_dtype(dtype))
                     largest = max(largest, last_value.numel() * 4)
-                    if merge is not None and key in merge.added:
+                    if merge is not None and merge.changes(key):
                         value = merge.merged(key, _merge_parts(key, value, merge, where, shards, dtype))
                 else:
                     value = buffers[key]

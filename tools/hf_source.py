@@ -116,7 +116,21 @@ class HFModel:
         init: Any = self.lora_init or True  # peft types the names it knows as literals; the flag checked them
         return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
                                fan_in_fan_out=transposed, task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM",
-                               init_lora_weights=init, use_dora=self.dora)
+                               init_lora_weights=init, use_dora=self.dora,
+                               trainable_token_indices=self._new_token_rows(model))
+
+    def _new_token_rows(self, model: nn.Module) -> dict[str, list[int]] | None:
+        """For a resized vocabulary, the new tokens' rows to train beside the adapters: of the input
+        embedding, and of the output head unless tied to it (peft then follows the embedding's)."""
+        before = getattr(self.config(), "vocab_size", None)
+        if self.vocab_size is None or not isinstance(before, int):
+            return None
+        rows = list(range(before, self.vocab_size))
+        names = {m: n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+        embedding = getattr(model, "get_input_embeddings")()  # noqa: B009 - a method mypy sees as a Tensor
+        head = getattr(model, "get_output_embeddings")()  # noqa: B009
+        ends = [embedding] + ([head] if head is not None and head.weight is not embedding.weight else [])
+        return {names[m]: rows for m in ends}
 
     def _base(self) -> nn.Module:
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM

@@ -109,13 +109,9 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     largest = max(int(train_set.tokens.max()), int(held_out.tokens.max()))
     added = isinstance(vocab, int) and tokenizer.vocab_size <= vocab < len(tokenizer)  # added to the model's own
     if isinstance(vocab, int) and added and largest >= vocab:  # and used: the model's vocabulary grows for them
-        if lora:
-            raise ValueError(f"the tokenizer in {directory!r} has {len(tokenizer)} tokens, more than the model's "
-                             f"vocabulary of {vocab} (vocab_size in its config.json), and --data uses the added ones: "
-                             "their rows would be new and --lora leaves them untrained. Fine-tune the whole model "
-                             "(without --lora), which resizes its vocabulary.")
         log.warning("the tokenizer in %s has %d tokens and the model %d, and --data uses the added ones: the model's "
-                    "vocabulary is resized to %d", directory, len(tokenizer), vocab, len(tokenizer))
+                    "vocabulary is resized to %d%s", directory, len(tokenizer), vocab, len(tokenizer),
+                    ", and LoRA trains the new tokens' rows (peft's trainable_token_indices)" if lora else "")
         source = replace(source, vocab_size=len(tokenizer))
     elif isinstance(vocab, int) and largest >= vocab:  # the embedding would fail deep in the forward
         raise ValueError(f"the tokenizer in {directory!r} gives token id {largest} on --data, but the model's "

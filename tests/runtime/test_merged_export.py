@@ -74,6 +74,11 @@ CASES = {
                                                   lora_bias=True, fan_in_fan_out=True)),
     "llama, DoRA": ("llama", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
                                   use_dora=True)),
+    "llama, trainable tokens of the embedding and the head": (
+        "llama", dict(r=2, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [3, 5, 9],
+                                                                                "lm_head": [3, 5, 9]})),
+    "llama-tied, trainable tokens": ("llama-tied", dict(r=2, target_modules=["v_proj"],
+                                                         trainable_token_indices={"embed_tokens": [2, 7]})),
     "gpt2, Conv1D with DoRA": ("gpt2", dict(r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"],
                                             fan_in_fan_out=True, use_dora=True)),
 }

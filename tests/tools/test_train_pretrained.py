@@ -152,8 +152,8 @@ def test_pissa_and_dora_from_the_command_line_export_adapters_peft_loads_as_the_
 def test_tokens_added_to_the_tokenizer_grow_the_vocabulary_of_a_full_fine_tune(tmp_path, model_dir, caplog):
     """As transformers' run_clm does: a tokenizer with tokens added beyond the model's vocabulary (and
     data that uses them) resizes the model, whose new rows start at the stored rows' mean; the
-    export is a model of the new vocabulary with its tokenizer. --lora, which would leave those rows
-    untrained, is refused."""
+    export is a model of the new vocabulary with its tokenizer. Under --lora, the new tokens' rows
+    train too (peft's trainable_token_indices)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -172,9 +172,22 @@ def test_tokens_added_to_the_tokenizer_grow_the_vocabulary_of_a_full_fine_tune(t
     assert back.config.vocab_size == vocab + 4 and back.get_input_embeddings().weight.shape[0] == vocab + 4
     assert len(AutoTokenizer.from_pretrained(out)) == vocab + 4
 
-    args = train_args(tmp_path, model_dir, str(data), "--steps", "2", "--lora", "2", "--out", str(tmp_path / "lora"))
-    assert main(args) == 2
-    assert not (tmp_path / "lora").exists()
+    # Under LoRA the new tokens' rows train beside the adapters (peft's trainable_token_indices).
+    args = train_args(tmp_path, model_dir, str(data), "--steps", "2", "--lora", "2", "--out", str(tmp_path / "lora"),
+                      "--merge-adapters")
+    assert main(args) == 0
+    adapters = tmp_path / "lora" / "adapters"
+    written = json.loads((adapters / "adapter_config.json").read_text())["trainable_token_indices"]
+    assert written == {"embed_tokens": list(range(vocab, vocab + 4)), "lm_head": list(range(vocab, vocab + 4))}
+    resized = AutoModelForCausalLM.from_pretrained(model_dir)
+    resized.resize_token_embeddings(vocab + 4)
+    tuned = peft.PeftModel.from_pretrained(resized, str(adapters))
+    trained = tuned.base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta["default"]
+    assert trained.shape == (4, resized.config.hidden_size)
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora" / "model")).eval()
+    x = torch.tensor([tokenizer(f"{STORY} {added[-1]}")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, tuned.eval()(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_says_so(tmp_path, jsonl, caplog):
