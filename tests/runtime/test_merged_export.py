@@ -44,10 +44,15 @@ def trained_engine(tmp_path, kind: str, lora) -> tuple[outcore.Engine, str]:
 
 def train_beside_plain_peft(engine: outcore.Engine, directory: str, lora) -> None:
     """Three steps under the engine and of plain peft with AdamW from the engine's start: equal losses."""
-    plain = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora)
+    train_beside(engine, peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora), token_batches(3))
+
+
+def train_beside(engine: outcore.Engine, plain: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+    """A step per batch under the engine and of `plain` (the same model in plain PyTorch, given the
+    engine's start) with AdamW: equal losses."""
     plain.load_state_dict(engine.full_state_dict(), strict=True)
     opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], **HP)
-    for x in token_batches(3):
+    for x in batches:
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()

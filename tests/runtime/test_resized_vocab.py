@@ -9,12 +9,20 @@ import pytest
 import torch
 from hf_models import save_model, token_batches
 from safetensors.torch import load_file
+from test_merged_export import HP, train_beside
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import outcore
 
-HP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 ADDED = 6
+
+
+def with_new_tokens(vocab: int) -> list[torch.Tensor]:
+    """Three batches in which every third token is one of the ADDED beyond `vocab`."""
+    batches = token_batches(3)
+    for x in batches:
+        x[:, ::3] = vocab + x[:, ::3] % ADDED
+    return batches
 
 
 def resized_deferred(directory: str) -> torch.nn.Module:
@@ -43,19 +51,8 @@ def test_new_rows_start_at_the_mean_and_the_model_trains_and_exports_as_plain_tr
 
     plain = AutoModelForCausalLM.from_pretrained(directory)
     plain.resize_token_embeddings(plain.config.vocab_size + ADDED, mean_resizing=False)
-    plain.load_state_dict(start, strict=True)
-    opt = torch.optim.AdamW(plain.parameters(), **HP)
     vocab = plain.config.vocab_size
-    for x in token_batches(3):
-        x[:, ::3] = vocab - 1 - x[:, ::3] % ADDED  # the new tokens too
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        expected = plain(input_ids=x, labels=x).loss
-        expected.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    train_beside(engine, plain, with_new_tokens(vocab - ADDED))
 
     out = tmp_path / "out"
     engine.export(str(out))
@@ -102,19 +99,7 @@ def test_lora_trains_the_new_tokens_rows_with_trainable_token_indices(tmp_path):
 
     plain = AutoModelForCausalLM.from_pretrained(directory)
     plain.resize_token_embeddings(vocab + ADDED, mean_resizing=False)
-    plain = peft.get_peft_model(plain, lora())
-    plain.load_state_dict(start, strict=True)
-    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], **HP)
-    for x in token_batches(3):
-        x[:, ::3] = vocab + x[:, ::3] % ADDED
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        expected = plain(input_ids=x, labels=x).loss
-        expected.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    train_beside(engine, peft.get_peft_model(plain, lora()), with_new_tokens(vocab))
     trained = engine.full_state_dict()
     delta = trained["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"]
     assert not torch.equal(delta, stored["model.embed_tokens.weight"].mean(dim=0).expand(ADDED, -1))
