@@ -24,9 +24,8 @@ IA3's vectors (ones, or as drawn with `init_ia3_weights=False`) and LoHa's and L
 `init_weights`) are initialized by their layers' own reset methods too. Trainable tokens (LoRA's
 `trainable_token_indices`) start as their rows of the embedding, read as DoRA reads W, and keep a
 copy of them, a buffer peft uses to unmerge, which the engine's buffer pass leaves to this
-(`computed_buffers`). Other adapter types (VeRA's
-and BOFT's computed buffers, prompt learning) are refused by name under deferred_init(): peft
-initializes them on a model built with its weights.
+(`computed_buffers`). Other adapter types (VeRA's and BOFT's computed buffers, prompt learning)
+are refused by name under deferred_init(): peft initializes them on a model built with its weights.
 """
 
 from __future__ import annotations
@@ -86,8 +85,8 @@ def initialize_adapters(layer: nn.Module, name: str, fresh: set[nn.Module], conf
                         read_base: ReadBase) -> None:
     """Initialize `layer`'s adapters whose parts or DoRA magnitude are in `fresh` (just given
     memory), as peft's `update_layer` does, by each adapter's config in `configs`. `name` is the
-    layer's, for errors; `read_base(module, "weight")` gives a base weight's stored value before
-    an initialization computes from it."""
+    layer's, for errors; `read_base` gives a base weight's stored value before an initialization
+    computes from it."""
     for adapter, parts in adapter_parts(layer).items():
         config = configs.get(adapter)
         if any(c in fresh for part in parts for c in part.modules()):
