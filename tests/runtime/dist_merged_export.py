@@ -1,6 +1,6 @@
 """Run under torchrun by test_merged_export.py: two ranks export a LoRA model merged, each holding
-half of every unit. With an initialization computed from the weights (`pissa`), each rank computes
-it from the whole weight as its unit is materialized."""
+half of every unit. With an initialization computed from the weights (`pissa`, trainable tokens),
+each rank computes it from the whole weight as its unit is materialized."""
 
 import os
 import sys
@@ -35,6 +35,11 @@ def main(directory: str, out: str, nvme: str, init: str) -> None:
 
 
 def lora_config(init: str) -> peft.LoraConfig:
+    """"false": A and B as linear layers (B not zero); "tokens": peft's default with trainable tokens
+    of the embedding; else `init_lora_weights=init`."""
+    if init == "tokens":
+        return peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
+                               trainable_token_indices={"embed_tokens": [3, 5, 9]})
     return peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
                            init_lora_weights=False if init == "false" else init)
 
