@@ -193,10 +193,8 @@ class PretrainedWeights:
                             "%d new rows start as the mean of the stored ones, as transformers' "
                             "resize_token_embeddings starts them", names[0], stored.shape[0], self.path,
                             slot.shape[0], slot.shape[0] - stored.shape[0])
-                stored_shape = (slot.shape[0], *stored.shape[1:])
-            else:
-                stored_shape = stored.shape
-            self._check_fits(stored, tuple(slot.shape), torch.float32, names[0], stored_shape)
+            stored_rows = (self._grown.get(slot, slot.shape[0]), *slot.shape[1:])  # what the files must hold
+            self._check_fits(stored, stored_rows, torch.float32, names[0])
         buffers = {model_name(n): b for n, b in model.named_buffers()}
         for name, buf in buffers.items():
             if name in self.tensors:
@@ -239,7 +237,7 @@ class PretrainedWeights:
             return out.copy_(value)
         out[:rows] = value
         del value
-        out[rows:] = out[:rows].float().mean(dim=0)
+        out[rows:] = out[:rows].mean(dim=0)
         return out
 
     def read(self, stored: StoredTensor | MergedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -271,8 +269,8 @@ class PretrainedWeights:
         self._open.clear()
 
     def _check_fits(self, stored: StoredTensor | MergedTensor, shape: tuple[int, ...], dtype: torch.dtype,
-                    name: str, stored_shape: tuple[int, ...] | None = None) -> None:
-        if (stored.shape if stored_shape is None else stored_shape) != shape:
+                    name: str) -> None:
+        if stored.shape != shape:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} has shape {list(stored.shape)}, the "
                              f"model's {name!r} has {list(shape)}: these weights are for another model or config.")
         convertible = stored.dtype is not None and (
