@@ -193,8 +193,8 @@ class PretrainedWeights:
                             "%d new rows start as the mean of the stored ones, as transformers' "
                             "resize_token_embeddings starts them", names[0], stored.shape[0], self.path,
                             slot.shape[0], slot.shape[0] - stored.shape[0])
-            stored_rows = (self._grown.get(slot, slot.shape[0]), *slot.shape[1:])  # what the files must hold
-            self._check_fits(stored, stored_rows, torch.float32, names[0])
+            held = (self._grown[slot], *slot.shape[1:]) if slot in self._grown else tuple(slot.shape)
+            self._check_fits(stored, held, torch.float32, names[0])
         buffers = {model_name(n): b for n, b in model.named_buffers()}
         for name, buf in buffers.items():
             if name in self.tensors:
@@ -284,12 +284,21 @@ def _vocabulary_names(model: nn.Module) -> set[str]:
     """The names, as the files spell them, of the parameters whose rows are the vocabulary: the
     input embedding's weight and the output head's weight and bias."""
     base = wrapped_model(model)
-    ends = [m for m in (getattr(base, "get_input_embeddings", lambda: None)(),
-                        getattr(base, "get_output_embeddings", lambda: None)()) if isinstance(m, nn.Module)]
+    ends = [m for m in (_declared(base, "get_input_embeddings"), _declared(base, "get_output_embeddings"))
+            if isinstance(m, nn.Module)]
     return {model_name(f"{name}.{p}") for name, m in base.named_modules() if any(m is e for e in ends)
             for p in ("weight", "bias")}
 
 
+def _declared(model: nn.Module, getter: str) -> object:
+    """What the model's `getter` returns, or None where it has none: transformers' default raises
+    NotImplementedError for models with no single embedding (CLIP's text and vision towers)."""
+    try:
+        return getattr(model, getter, lambda: None)()
+    except NotImplementedError:
+        return None
+
+
 def _grown(stored: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """Whether `shape` is `stored` with rows added (a vocabulary resized by resize_token_embeddings)."""
-    return len(stored) == len(shape) and stored[0] < shape[0] and stored[1:] == shape[1:]
+    return len(stored) == len(shape) >= 1 and stored[0] < shape[0] and stored[1:] == shape[1:]
