@@ -55,8 +55,7 @@ def hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
         return None
 
     def write(directory: str) -> None:
-        if not getattr(config, "architectures", None):
-            config.architectures = [type(model).__name__]  # type: ignore[attr-defined]
+        config.architectures = [type(model).__name__]  # type: ignore[attr-defined]  # as save_pretrained sets it
         config.save_pretrained(directory)  # type: ignore[attr-defined]
         if _can_generate(model):  # as save_pretrained writes it
             model.generation_config.save_pretrained(directory)  # type: ignore[union-attr,operator]
@@ -90,7 +89,9 @@ def hf_settings(model: nn.Module) -> dict[str, dict | None]:
     config.json and, for a model that generates, generation_config.json (values that differ from
     the defaults, as save_pretrained writes it); None where the model has no such config."""
     config, inner = hf_config(model), wrapped_model(model)
-    return {"hf_config": config.to_dict() if config is not None else None,  # type: ignore[attr-defined]
+    stored = None if config is None else {**config.to_dict(),  # type: ignore[attr-defined]
+                                          "architectures": [type(inner).__name__]}  # the export's class
+    return {"hf_config": stored,
             "hf_generation_config": inner.generation_config.to_diff_dict()  # type: ignore[union-attr,operator]
             if _can_generate(inner) else None}
 
