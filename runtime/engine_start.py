@@ -143,9 +143,10 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
         return pretrained.read_parameter(slot, stored)
 
     configs = adapter_configs(model)
+    heads = pretrained.head_initializers(names, seed) if pretrained is not None else {}
     for unit in units:
         materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                         read_base=read_base, adapter_configs=configs)
+                         read_base=read_base, adapter_configs=configs, initializers=heads)
         _shard(unit, store, place, policy, rank, pretrained, read_in)
     if pretrained is not None:
         pretrained.close()

@@ -56,14 +56,16 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                      init_fn: Callable[[nn.Module], None] | None, seed: int,
                      loaded: Callable[[nn.Module, str], bool] = lambda _m, _n: False,
                      read_base: ReadBase = _no_weights,
-                     adapter_configs: dict[str, object] | None = None) -> None:
+                     adapter_configs: dict[str, object] | None = None,
+                     initializers: dict[nn.Module, Callable[[nn.Module], None]] | None = None) -> None:
     """Give the unit's meta parameters real CPU memory and initialize them, except those `loaded`
     says come from pretrained weights (they stay on the meta device until read). Parameters that
     already hold values, and buffers, are left as they are.
 
     peft's adapters are then initialized as peft does it, by each adapter's config in
     `adapter_configs` (runtime/adapter_init.py); those computed from a base weight read it first
-    with `read_base`."""
+    with `read_base`. A module in `initializers` is initialized by its entry there (a task head new
+    to the weights, runtime/task_head.py)."""
     modules = _unit_modules(plan, model, in_units)
     tuner_layers = [m for m in modules if init_fn is None and is_tuner_layer(m)]
     adapter_dicts = {d for m in tuner_layers for parts in adapter_parts(m).values() for d in parts
@@ -85,6 +87,8 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
         for m in fresh:
             if init_fn is not None:
                 init_fn(m)
+            elif initializers and m in initializers:
+                initializers[m](m)
             elif callable(reset := getattr(m, "reset_parameters", None)):
                 reset()
             elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention

@@ -14,7 +14,9 @@ A parameter that already holds values (a LoRA adapter created outside `deferred_
 them and need not be in the files. A model wrapped by peft is matched under the base model's names
 (`base_model.model.` and `.base_layer` dropped), so the base model's own files load into it; a
 module peft trains whole (`modules_to_save`) fills both its frozen original and its trained copy
-from the module's stored tensors, as peft copies them.
+from the module's stored tensors, as peft copies them. A task model on another architecture's files
+(a classifier on a causal LM's) may lack the files' head and have its own, outside the base model
+(runtime/task_head.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 from outcore.runtime.hf_conversion import MergedTensor, assemble, convert_names
 from outcore.runtime.hf_model import wrapped_model
 from outcore.runtime.safetensors_stream import ST_DTYPES
+from outcore.runtime.task_head import TaskHead, seeded_init, task_head
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
 
@@ -160,6 +163,7 @@ class PretrainedWeights:
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
         self._model: nn.Module | None = None  # set by check(): merged tensors are built for it
         self._grown: dict[ParamSlot, int] = {}  # a resized vocabulary's slot -> the rows the files hold
+        self.new_head: set[str] = set()  # a task head's parameters the files lack (runtime/task_head.py)
 
     def check(self, slots: Iterable[ParamSlot], model: nn.Module,
               new: Callable[[ParamSlot], bool] = lambda _slot: False) -> None:
@@ -176,13 +180,17 @@ class PretrainedWeights:
                      converted, self.path)
         self._model = model
         vocabulary = _vocabulary_names(model)
+        head = task_head(model, self.path)
         known: set[str] = set()
         for slot in slots:
             names = [model_name(n) for n in slot.state_dict_names]
             known.update(names)
             stored = self.find(slot)
             if stored is None:
-                if slot.param is not None and slot.param.is_meta and not new(slot):
+                outside = head is not None and all(head.outside_base(n) for n in names)
+                if outside and (not new(slot) or any(_TRAINED_WHOLE.search(n) for n in slot.state_dict_names)):
+                    self.new_head.update(names)  # the task's head, or peft's trained copy of it
+                elif slot.param is not None and slot.param.is_meta and not new(slot):
                     raise ValueError(f"weights {self.path!r} have no tensor {names[0]!r}"
                                      + (f" (nor {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
                                      + "; it is a parameter of the model. Name the files of this model.")
@@ -201,11 +209,30 @@ class PretrainedWeights:
                 self._check_fits(self.tensors[name], tuple(buf.shape), buf.dtype, name)
         known.update(buffers)
         unexpected = sorted(set(self.tensors) - known)
+        if head is not None:
+            unused = [n for n in unexpected if head.outside_base(n)]
+            unexpected = [n for n in unexpected if not head.outside_base(n)]
+            for name in unused:
+                del self.tensors[name]
+            _say_head(head, self.path, sorted(self.new_head), unused)
         if unexpected:
             first = self.tensors[unexpected[0]]
             raise ValueError(f"{first.file!r} holds {first.key!r}, which is not in the model"
                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                              + ": these weights are for another model.")
+
+    def head_initializers(self, module_names: dict[nn.Module, str],
+                          seed: int) -> dict[nn.Module, Callable[[nn.Module], None]]:
+        """How to initialize each module that holds a new parameter of a task head: as transformers
+        does, each drawing by its name (so a peft copy of the module starts equal to it)."""
+        assert self._model is not None, "check() first"
+        out = {}
+        for module, prefix in module_names.items():
+            new = sorted(n for n in (model_name(f"{prefix}.{p}" if prefix else p) for p in module._parameters)
+                         if n in self.new_head)
+            if new:
+                out[module] = seeded_init(self._model, new[0], seed)
+        return out
 
     def holds(self, module_names: dict[nn.Module, str]) -> Callable[[nn.Module, str], bool]:
         """Whether the files hold parameter `name` of a module (named as in `module_names`)."""
@@ -278,6 +305,17 @@ class PretrainedWeights:
         if not convertible:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} is {stored.dtype or 'of an unknown dtype'}, "
                              f"which cannot be converted to the model's {dtype}.")
+
+
+def _say_head(head: TaskHead, path: str, new: list[str], unused: list[str]) -> None:
+    if new:
+        log.warning("weights: %s holds a %s; the %s's %s %s not in it and start%s as transformers initializes "
+                    "a new head", path, head.stored_class, head.model_class, ", ".join(new),
+                    "is" if len(new) == 1 else "are", "s" if len(new) == 1 else "")
+    if unused:
+        log.warning("weights: %s of the stored %s %s no place in the %s and %s left out", ", ".join(unused),
+                    head.stored_class, "has" if len(unused) == 1 else "have", head.model_class,
+                    "is" if len(unused) == 1 else "are")
 
 
 def _vocabulary_names(model: nn.Module) -> set[str]:
