@@ -85,7 +85,8 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
         crcs = gather_objects((name, f"{file_crc32(path):08x}"), sm.group)
         if sm.group.rank == 0:
             meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
-                    "lr": progress["lr"], "loss_scale": progress["loss_scale"], "config": progress["config"],
+                    "lr": progress["lr"], "lr_scheduler": progress.get("lr_scheduler"),
+                    "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "units": _layout(sm), "unit_steps": list(sm.updates.steps),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
                     "hf_generation_config": progress.get("hf_generation_config"),

@@ -34,8 +34,9 @@ def translate_deepspeed(ds: dict[str, Any]) -> dict[str, Any]:
     finally:
         _said.reset(token)
     if ignored:
-        log.warning("from_deepspeed: %d setting(s) outcore does not use were ignored: %s", len(ignored),
-                    ", ".join(ignored))
+        log.warning("from_deepspeed: %d setting(s) outcore does not use were ignored: %s%s", len(ignored),
+                    ", ".join(ignored), "; for the scheduler, build the same torch scheduler with "
+                    "Engine(..., lr_scheduler=...)" if "scheduler" in ignored else "")
     if auto:
         log.warning('from_deepspeed: %s %s "auto", which the Hugging Face Trainer fills in from its own '
                     "arguments; outcore took its own default%s (give values to choose)", ", ".join(auto),

@@ -44,8 +44,8 @@ from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hf_model import hf_settings, is_peft, read_generation_config
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
-from outcore.runtime.hyperparameters import check_lr
 from outcore.runtime.loss_scale import LossScaler
+from outcore.runtime.lr_schedule import LearningRate, Schedule, SchedulerFactory
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
@@ -95,14 +95,15 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: Config, optimizer: AdamW | None = None, *,
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
-                 seed: int = 0, weights: str | os.PathLike | None = None) -> None:
+                 seed: int = 0, weights: str | os.PathLike | None = None,
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         check_arguments(model, config, optimizer, seed)
         self.config, self.model = config, model
         self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)
         self.policy = StatePolicy.of(config, world=self.group.world, device_type=self.device.type)
         self.hp = optimizer or AdamW(**config.optimizer)
-        self._lr = self.hp.lr
+        self.schedule = Schedule(self.hp.lr, lr_scheduler)  # runtime/lr_schedule.py
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
         self.device_ahead = self.policy.device_window  # units of the prefetch window asked onto DEVICE
@@ -166,15 +167,23 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next `step()`; settable between steps (a schedule)."""
-        return self._lr
+        """The learning rate of the next `step()`; settable between steps (a schedule by hand)."""
+        return self.schedule.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._lr = check_lr(value, "engine.lr")
+        self.schedule.lr = value
+
+    @property
+    def optimizer(self) -> LearningRate:
+        """A torch optimizer of one parameter group, `{"lr": ...}`, for a torch LR scheduler to drive
+        (`lr_scheduler=` builds one on it and the engine steps it)."""
+        return self.schedule.optimizer
 
     @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
         self.phase = Phase.FORWARD
         try:
             output = self.model(*args, **kwargs)
@@ -300,6 +309,7 @@ class Engine:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
+        lr = self.lr
         if not overflow:
             self.global_step += 1
             with_gradient = [u for u in self.units if u.index in self.gradients.with_gradient]
@@ -307,16 +317,18 @@ class Engine:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
                 in_order = sorted(with_gradient, key=lambda u: forward.get(u.index, len(forward)))
                 kept = self.gradients.kept if self.policy.step_in_memory else None
-                self.updates.start(in_order, self.lr, coef, kept)  # the order the next forward wants them
+                self.updates.start(in_order, lr, coef, kept)  # the order the next forward wants them
             refresh = [u for u in with_gradient if u.resident and not u.aliased]
             if refresh:  # whole parameters kept on every rank: re-gathered here, in the same order on all
                 self.updates.drain()
                 for u in refresh:
                     u.refresh()
         self.scaler.update(overflow)
-        stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": overflow, "lr": self.lr,
+        stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": overflow, "lr": lr,
                  "accumulating": False}
         self.gradients.reset(self.units, drop_grads=overflow)  # otherwise each update drops its own
+        if not overflow:
+            self.schedule.applied()  # the scheduler's next rate, as DeepSpeed steps it after an update
         return stats
 
     def synchronize(self) -> None:
@@ -339,7 +351,8 @@ class Engine:
                                + (" (and their updates already ran)" if spent else "")
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
-        progress = {"step": self.global_step, "lr": self.lr, "loss_scale": self.scaler.state_dict(),
+        progress = {"step": self.global_step, "lr": self.lr, "lr_scheduler": self.schedule.state_dict(),
+                    "loss_scale": self.scaler.state_dict(),
                     "config": self.config.to_dict(), "client_state": client_state, **hf_settings(self.model),
                     **merge_record(self.model, self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
@@ -352,6 +365,7 @@ class Engine:
         meta = load_checkpoint(self.sharded, directory, tag)
         self.global_step = int(meta["step"])
         self.lr = float(meta["lr"])
+        self.schedule.load_state_dict(meta.get("lr_scheduler"))
         self.scaler.load_state_dict(meta["loss_scale"])
         self.gradients.reset(self.units, drop_grads=True)
         return meta

@@ -46,8 +46,8 @@ def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:
         raise TypeError(f"Engine(model, config, optimizer): the optimizer given ({_kind(optimizer)}) is not an "
                         "outcore.AdamW. The engine runs its own fused AdamW over the sharded states, so it takes "
                         "outcore.AdamW(lr=..., betas=..., eps=..., weight_decay=...) with the settings you want; "
-                        "for a schedule set engine.lr before each step (a torch LR scheduler would not reach the "
-                        "engine).")
+                        "for a schedule pass lr_scheduler=lambda opt: <a torch LR scheduler on opt>, or set "
+                        "engine.lr before each step.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"Engine(..., seed=...): the seed given ({_kind(seed)}) is not an int.")
     if seed not in SEEDS:
