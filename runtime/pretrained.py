@@ -187,10 +187,12 @@ class PretrainedWeights:
             known.update(names)
             stored = self.find(slot)
             if stored is None:
+                if slot.param is None or not slot.param.is_meta:
+                    continue  # it holds values of its own, which it keeps
                 outside = head is not None and all(head.outside_base(n) for n in names)
                 if outside and (not new(slot) or any(_TRAINED_WHOLE.search(n) for n in slot.state_dict_names)):
                     self.new_head.update(names)  # the task's head, or peft's trained copy of it
-                elif slot.param is not None and slot.param.is_meta and not new(slot):
+                elif not new(slot):
                     raise ValueError(f"weights {self.path!r} have no tensor {names[0]!r}"
                                      + (f" (nor {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
                                      + "; it is a parameter of the model. Name the files of this model.")

@@ -153,3 +153,16 @@ def test_two_ranks_draw_the_same_new_head_as_one(tmp_path):
     for name, value in expected.items():
         assert torch.equal(two[name], value), name
     one.close()
+
+
+def test_a_head_built_with_values_keeps_them_and_is_not_called_new(tmp_path, caplog):
+    directory = save_model("llama", str(tmp_path / "lm"))
+    model = classifier(directory)
+    torch.manual_seed(7)
+    model.score = torch.nn.Linear(model.config.hidden_size, LABELS, bias=False)  # the caller's own start
+    mine = model.score.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="outcore.runtime.pretrained"):
+        engine = outcore.Engine(model, nvme_config(tmp_path), weights=directory)
+    assert torch.equal(engine.full_state_dict()["score.weight"], mine)
+    assert not [r for r in caplog.records if "is not in it" in r.getMessage()]
+    engine.close()
