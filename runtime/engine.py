@@ -308,16 +308,19 @@ class Engine:
         if not self.gradients.window_complete:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
+        late = self.gradients.finish_window(self.units)
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
         lr = self.lr
         if not overflow:
             self.global_step += 1
             with_gradient = [u for u in self.units if u.index in self.gradients.with_gradient]
-            if not self.policy.overlapped:
+            waiting = late if self.policy.overlapped else with_gradient  # overlapped: the rest started in backward
+            if waiting:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
-                in_order = sorted(with_gradient, key=lambda u: forward.get(u.index, len(forward)))
+                # the order the next forward wants them
+                in_order = sorted(waiting, key=lambda u: forward.get(u.index, len(forward)))
                 kept = self.gradients.kept if self.policy.step_in_memory else None
-                self.updates.start(in_order, lr, coef, kept)  # the order the next forward wants them
+                self.updates.start(in_order, lr, coef, kept, self.gradients.idle)
             refresh = [u for u in with_gradient if u.resident and not u.aliased]
             if refresh:  # whole parameters kept on every rank: re-gathered here, in the same order on all
                 self.updates.drain()

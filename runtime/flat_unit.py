@@ -86,6 +86,18 @@ class Chunk:
     def numel(self) -> int:
         return self.end - self.start
 
+    def slot_ranges(self) -> list[tuple[int, int, int]]:
+        """The unit's parameters this chunk holds elements of: (slot index, start, end), the
+        range within the chunk (padding is in none)."""
+        lay = self.unit.layout
+        begin = self.unit.group.rank * lay.shard + self.start  # the chunk's first element in the flat buffer
+        out = []
+        for i, (offset, slot) in enumerate(zip(lay.offsets, self.unit.plan.slots, strict=True)):
+            a, b = max(offset, begin), min(offset + slot.numel, begin + self.numel)
+            if a < b:
+                out.append((i, a - begin, b - begin))
+        return out
+
     @property
     def opt_key(self) -> str:
         return f"u{self.unit.index}.opt{self.index}"

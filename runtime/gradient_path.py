@@ -5,7 +5,8 @@ fp32 shard (runtime/flat_unit.py [Note: unit gradients]), scaled for the ranks, 
 window and the fp16 loss scale, and either accumulates it in the store's work tier or, on the last
 micro-step of an overlapped step, hands it to the update stream at once. It keeps what `step()`
 needs: which units have a gradient, their squared norms and whether fp16 overflowed, which
-`global_norm` reduces across ranks.
+`global_norm` reduces across ranks; and which parameters got no gradient on any rank in the window
+(`idle`), which sit the update out as torch.optim skips them (runtime/step_counts.py).
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ class GradientPath:
         # grad_accumulation, but a train_batch of K is one backward pass over K micro-batches.
         self.window_steps = self.micro_batches = policy.grad_accumulation
         self.with_gradient: set[int] = set()  # units given a gradient in this window
+        self._final: set[int] = set()  # of those, units whose gradient was final in the last micro-step
         # `StatePolicy.step_in_memory`: each unit's gradient, per chunk, as autograd made it, until step()
         self.kept: dict[int, list[list[torch.Tensor]]] = {}
         self._sqnorm: dict[int, float] = {}
+        self._used: dict[int, list[bool]] = {}  # by unit: which slots got a gradient on this rank so far
+        self.idle: dict[int, frozenset[int]] = {}  # by unit: slots with no gradient on any rank in the window
         self._overflow = False
         # This backward pass, by unit index: the runs forward made of the unit (the parts its
         # gradient comes in) and the parts come so far.
@@ -101,10 +105,16 @@ class GradientPath:
         hand_over = (first and last and self.policy.hands_over_window(self.window_steps)
                      and unit.device == self.work_device)
         in_memory = self.policy.step_in_memory and self.window_steps == 1
+        used = self._used.setdefault(unit.index, [False] * len(grads))
+        for i, g in enumerate(grads):
+            used[i] = used[i] or g is not None
         with torch.no_grad():
             pieces = unit.gradient_pieces(grads, 1.0 / (world * self.micro_batches * self.scaler.scale),
                                           keep=hand_over)
             del grads
+            if last:
+                self._final.add(unit.index)
+                self._settle_idle(unit)
             self.with_gradient.add(unit.index)
             if in_memory:
                 self._keep(unit, pieces, whole=first and last)
@@ -139,11 +149,44 @@ class GradientPath:
             for acc, parts in zip(self.kept[unit.index], pieces, strict=True):
                 acc[0].add_(torch.cat(parts))
 
+    def finish_window(self, units: list[FlatUnit]) -> list[FlatUnit]:
+        """At the end of the window, before `global_norm`: the units given a gradient in an earlier
+        micro-step but not run in the last one (a branch taken earlier), whose final part never came.
+        Their squared norms and idle slots are taken now, from the gradient accumulated in the
+        store, in unit order on every rank. Returns them: an overlapped step started only the others."""
+        late = [u for u in units if u.index in self.with_gradient and u.index not in self._final]
+        for unit in late:
+            assert not self.kept, "gradients kept in memory come in one micro-step: none is late"
+            if self.policy.needs_norm:
+                sqnorm = 0.0
+                for c in unit.chunks:
+                    acc = self.store.fetch_now(c.grad_key, self.place.work_tier)
+                    sqnorm += float(torch.linalg.vector_norm(acc)) ** 2
+                    self.store.release(c.grad_key)
+                self._sqnorm[unit.index] = sqnorm
+                if self.scaler.enabled and not math.isfinite(sqnorm):
+                    self._overflow = True
+            self._final.add(unit.index)
+            self._settle_idle(unit)
+        return late
+
+    def _settle_idle(self, unit: FlatUnit) -> None:
+        """The unit's gradient is final: its slots that got none, on this rank or (with more than
+        one, reduced in the order every rank reduces this unit's gradient) on any."""
+        used = self._used.pop(unit.index)
+        if self.group.world > 1:
+            flags = torch.tensor(used, dtype=torch.float32, device=self.device)
+            all_reduce_sum(flags, self.group)
+            used = [bool(f > 0) for f in flags.tolist()]
+        idle = frozenset(i for i, u in enumerate(used) if not u)
+        if idle:
+            self.idle[unit.index] = idle
+
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
         if self.micro + 1 == self.window_steps and self.policy.overlapped:
-            self.updates.overlap(unit, lr, handed)
+            self.updates.overlap(unit, lr, handed, self.idle)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm
@@ -176,6 +219,9 @@ class GradientPath:
         self.window_steps = self.micro_batches = self.policy.grad_accumulation
         self.updates.end_window()
         self.with_gradient.clear()
+        self._final.clear()
+        self._used.clear()
+        self.idle.clear()
         self._sqnorm.clear()
         self._overflow = False
 

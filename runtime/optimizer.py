@@ -6,14 +6,14 @@
 bf16 or fp16. Reading and writing a chunk is then one large sequential request each, and the
 pipeline holds a few chunks, never a whole large unit. The update is `torch._fused_adamw_`, the
 kernel behind `torch.optim.AdamW(fused=True)`: bias correction and decoupled weight decay exactly
-as torch.optim.AdamW computes them. The caller keeps each unit's step count and advances it once
-all of the unit's chunks are updated (runtime/update_stream.py).
+as torch.optim.AdamW computes them. The caller keeps the step counts (runtime/step_counts.py) and
+advances a unit's once all of its chunks are updated (runtime/update_stream.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from outcore.offload.store import StagedPut
 from outcore.runtime.flat_unit import Chunk
 from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import Placement
+from outcore.runtime.step_counts import StepCounts
 
 
 @dataclass
@@ -50,8 +51,9 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
 
 
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter,
-                  unit_steps: Sequence[int], *, lr: float, grad_scale: float,
-                  grads: list[list[torch.Tensor]] | None = None) -> None:
+                  counts: StepCounts, *, lr: float, grad_scale: float,
+                  grads: list[list[torch.Tensor]] | None = None,
+                  idle: Mapping[int, frozenset[int]] | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -59,7 +61,9 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     states resident on DEVICE go all at once, as torch.optim.AdamW(fused=True) does.
     `grad_scale` multiplies the gradients first (the global-norm clip coefficient, 1.0 for none).
     `params` lends the masters that are parameter shards and takes the others' new values.
-    `unit_steps`: updates each unit has taken before this one, by unit index.
+    `counts`: the updates each unit, and each of its parameters, took before this one.
+    `idle`: by unit index, the slots that got no gradient this step, which sit this update out
+    (runtime/step_counts.py).
     `grads`: the chunks' gradients handed over in memory, each chunk's as flat pieces covering it in
     order (`FlatUnit.gradient_pieces`; read only); without them they are read from the store (and
     dropped from it after the update).
@@ -90,20 +94,30 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             else:
                 master, m, v = st.chunk(3)
             masters.append(master)
-            # The states are cut where the gradient's pieces are: one fused call takes them all.
-            sizes = [p.numel() for p in parts]
-            for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs)):
-                out.extend(t.split(sizes) if len(parts) > 1 else [t])
-            flat_grads.extend(parts)
-            # Per-unit step counts, as torch.optim keeps one per parameter: a unit that got no
-            # gradient in some step (a skipped branch) has taken fewer steps, and its bias correction says so.
-            step = torch.tensor(float(unit_steps[c.unit.index] + 1), dtype=torch.float32, device=st.device)
-            steps.extend([step] * len(parts))
+            unit, sitting_out = c.unit.index, (idle or {}).get(c.unit.index, frozenset())
+            if counts.uniform(unit) and not sitting_out:
+                # The states are cut where the gradient's pieces are: one fused call takes them all.
+                sizes = [p.numel() for p in parts]
+                for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs)):
+                    out.extend(t.split(sizes) if len(parts) > 1 else [t])
+                flat_grads.extend(parts)
+                step = torch.tensor(float(counts.units[unit] + 1), dtype=torch.float32, device=st.device)
+                steps.extend([step] * len(parts))
+                continue
+            # Parameter by parameter, each with its own step count; those without a gradient left out.
+            grad = parts[0] if len(parts) == 1 else torch.cat(parts)
+            for slot, a, b in c.slot_ranges():
+                if slot not in sitting_out:
+                    for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs), (grad, flat_grads)):
+                        out.append(t[a:b])
+                    steps.append(torch.tensor(float(counts.of(unit, slot) + 1), dtype=torch.float32,
+                                              device=st.device))
         if grad_scale != 1.0:
             torch._foreach_mul_(flat_grads, grad_scale)
-        torch._fused_adamw_(flat_masters, flat_grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
-                            beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
-                            amsgrad=False, maximize=False)
+        if flat_masters:  # else every parameter of these chunks sits this update out
+            torch._fused_adamw_(flat_masters, flat_grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
+                                beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
+                                amsgrad=False, maximize=False)
         for c, master in zip(chunks, masters, strict=True):
             params.write(c, master)
     finally:

@@ -8,14 +8,16 @@ compute. Two ways in:
   forward wants the units.
 Either way a unit's future completes once its last chunk is written, and `wait(unit)` is what a
 unit's next gather, a checkpoint or a state dict calls before reading it. `drain()` waits for all.
-The stream also keeps each unit's optimizer step count (AdamW's bias correction).
+The stream also keeps the optimizer's step counts (AdamW's bias correction; runtime/step_counts.py).
+`idle`, where given, names by unit index the parameters that got no gradient this step: they sit
+the update out, as torch.optim skips a parameter whose `.grad` is None.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -25,6 +27,7 @@ from outcore.offload.background import background_pool
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
 from outcore.runtime.policy import HANDED_OVER, Placement
+from outcore.runtime.step_counts import StepCounts
 
 
 class UpdateStream:
@@ -34,7 +37,7 @@ class UpdateStream:
                  read_ahead: int, nice: int) -> None:
         self.units, self.store, self.place, self.hp = units, store, place, hp
         self.depth = max(1, read_ahead)  # chunks: runtime/memory_plan.py [Note: optimizer read-ahead]
-        self.steps = [0] * len(units)  # optimizer updates each unit has taken
+        self.counts = StepCounts(len(units))  # optimizer updates each unit, and parameter, has taken
         self.seconds = 0.0  # time spent in updates, either way in
         self._thread = background_pool(1, "outcore-optim", nice)
         self._pending: dict[int, Future] = {}  # unit index -> its update
@@ -52,7 +55,8 @@ class UpdateStream:
 
     # -- starting updates -------------------------------------------------------------------------
 
-    def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None) -> None:
+    def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None,
+                idle: Mapping[int, frozenset[int]]) -> None:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
         the chunks' gradient keys in the store)."""
         self._check()
@@ -62,27 +66,29 @@ class UpdateStream:
         if handed is not None:
             while self._handed_over and (self._handed_over[0].done() or len(self._handed_over) >= HANDED_OVER):
                 self._result(self._handed_over.popleft())
-        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed)
+        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle))
         self._pending[unit.index] = future
         if handed is not None:
             self._handed_over.append(future)
 
     def start(self, units: list[FlatUnit], lr: float, coef: float,
-              kept: dict[int, list[list[torch.Tensor]]] | None = None) -> None:
+              kept: dict[int, list[list[torch.Tensor]]] | None = None,
+              idle: Mapping[int, frozenset[int]] | None = None) -> None:
         """Update `units`, in this order, with gradients scaled by `coef` (the clip coefficient).
         States in the work tier take one fused call, here; streamed ones go to the optimizer
         thread, and each unit's future completes as its last chunk is written. `kept`: the
         gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else in the store."""
         self._check()
+        idle = dict(idle or {})  # by value: the caller's window resets while these updates run
         chunks = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
             t0 = time.perf_counter()
             grads = [pieces for u in units for pieces in kept[u.index]] if kept is not None else None
             with ParamWriter(self.store, self.place) as params:
-                update_chunks(chunks, self.store, self.place, self.hp, params, self.steps, lr=lr, grad_scale=coef,
-                              grads=grads)
+                update_chunks(chunks, self.store, self.place, self.hp, params, self.counts, lr=lr,
+                              grad_scale=coef, grads=grads, idle=idle)
             for u in units:
-                self.steps[u.index] += 1
+                self.counts.advance(u.index, len(u.plan.slots), idle.get(u.index, ()))
             self.seconds += time.perf_counter() - t0
             return
         futures: dict[int, Future] = {u.index: Future() for u in units}
@@ -90,7 +96,7 @@ class UpdateStream:
 
         def run() -> None:
             try:
-                self._timed(chunks, lr, coef, (), futures, None)
+                self._timed(chunks, lr, coef, (), futures, None, idle)
             except BaseException as e:
                 for f in futures.values():
                     if not f.done():
@@ -178,15 +184,17 @@ class UpdateStream:
     # -- on the optimizer thread ------------------------------------------------------------------
 
     def _timed(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
-               finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None) -> None:
+               finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
+               idle: dict[int, frozenset[int]]) -> None:
         t0 = time.perf_counter()
         try:
-            self._stream(order, lr, coef, then, finished, grad)
+            self._stream(order, lr, coef, then, finished, grad, idle)
         finally:
             self.seconds += time.perf_counter() - t0
 
     def _stream(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
-                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None) -> None:
+                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
+                idle: dict[int, frozenset[int]]) -> None:
         """Chunk by chunk, with the next `depth` chunks' states on their way to the work tier (past
         the end of `order`, the optimizer states of the chunks in `then`). Each unit's step count
         advances as its last chunk is done, and then its future in `finished` (if given) completes.
@@ -200,11 +208,11 @@ class UpdateStream:
                         keys += [*self._master_keys(c), c.opt_key] + ([c.grad_key] if grad is None else [])
                     keys += [c.opt_key for c in then[: max(0, i + 1 + self.depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
-                update_chunks([chunk], self.store, self.place, self.hp, params, self.steps, lr=lr,
-                              grad_scale=coef, grads=None if grad is None else [grad[chunk.index]])
+                update_chunks([chunk], self.store, self.place, self.hp, params, self.counts, lr=lr,
+                              grad_scale=coef, grads=None if grad is None else [grad[chunk.index]], idle=idle)
                 unit = chunk.unit
                 if chunk is unit.chunks[-1]:
-                    self.steps[unit.index] += 1
+                    self.counts.advance(unit.index, len(unit.plan.slots), idle.get(unit.index, ()))
                     if finished is not None:
                         finished[unit.index].set_result(None)
 
