@@ -25,6 +25,19 @@ def wrapped_model(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def hf_init_for(model: nn.Module, name: str) -> Callable[[nn.Module], None] | None:
+    """The `_init_weights` transformers runs on the module `name` of `model`: that of the innermost
+    Hugging Face model holding it (a multimodal model's vision tower has its own, which alone knows
+    its embeddings' buffers); None outside any."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        holder = model.get_submodule(".".join(parts[:depth]))
+        init = getattr(holder, "_init_weights", None)
+        if callable(init) and hasattr(holder, "config"):
+            return init
+    return None
+
+
 def parameter_adapters(model: nn.Module) -> list[str]:
     """The modules that are peft LoRA adapters on a bare parameter (`LoraConfig.target_parameters`)."""
     return [name for name, m in model.named_modules()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from outcore.runtime.adapter_init import ReadBase, adapter_parts, initialize_adapters, is_tuner_layer, magnitudes
+from outcore.runtime.hf_model import hf_init_for
 from outcore.runtime.units import UnitPlan
 
 
@@ -119,9 +120,7 @@ def recompute_buffers(model: nn.Module, name: str, module: nn.Module,
         buf = module._buffers[n]
         assert buf is not None
         module._buffers[n] = torch.full_like(buf, _sentinel(buf.dtype), device="cpu")
-    hf_init: Callable[[nn.Module], None] | None = next(
-        (getattr(m, "_init_weights") for m in model.modules()  # noqa: B009 - a Hugging Face model's method
-         if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")), None)
+    hf_init = hf_init_for(model, name)
     with torch.no_grad():
         if init_fn is not None:
             init_fn(module)

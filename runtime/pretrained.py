@@ -233,7 +233,7 @@ class PretrainedWeights:
             new = sorted(n for n in (model_name(f"{prefix}.{p}" if prefix else p) for p in module._parameters)
                          if n in self.new_head)
             if new:
-                out[module] = seeded_init(self._model, new[0], seed)
+                out[module] = seeded_init(self._model, prefix, new[0], seed)
         return out
 
     def holds(self, module_names: dict[nn.Module, str]) -> Callable[[nn.Module, str], bool]:

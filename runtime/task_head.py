@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import wrapped_model
+from outcore.runtime.hf_model import hf_init_for, wrapped_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +62,12 @@ def _architectures(weights: str) -> list[str]:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
-def seeded_init(model: nn.Module, name: str, seed: int) -> Callable[[nn.Module], None]:
-    """The Hugging Face model's `_init_weights`, drawing from a generator seeded by `name` (a new
-    parameter's, as the files would spell it) and the engine's seed."""
-    init = getattr(wrapped_model(model), "_init_weights")  # noqa: B009 - a Hugging Face model's method
+def seeded_init(model: nn.Module, module: str, name: str, seed: int) -> Callable[[nn.Module], None]:
+    """The `_init_weights` transformers runs on `module` (its name in `model`), drawing from a
+    generator seeded by `name` (a new parameter's, as the files would spell it) and the engine's seed."""
+    init = hf_init_for(model, module)
+    if init is None:
+        raise ValueError(f"{module!r} is new to the weights and no Hugging Face model holds it to initialize it.")
     draw = zlib.crc32(name.encode()) ^ (seed * 1_000_003)
 
     def initialize(module: nn.Module) -> None:
