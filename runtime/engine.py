@@ -213,6 +213,8 @@ class Engine:
             self.gradients.complete(self.units[index])
             self._start_update(self.units[index], None)
         self._reshard_all()  # units that produced no gradient this time (unused) still let go
+        for index in self.gradients.settle_ranks():  # their updates waited for every rank's word
+            self.gradients.hand_over(self.units[index], None, self.lr)
         self.gradients.end_micro_step()
         self.trace.end_step()
 

@@ -7,6 +7,12 @@ micro-step of an overlapped step, hands it to the update stream at once. It keep
 needs: which units have a gradient, their squared norms and whether fp16 overflowed, which
 `global_norm` reduces across ranks; and which parameters got no gradient on any rank in the window
 (`idle`), which sit the update out as torch.optim skips them (runtime/step_counts.py).
+
+With several ranks, which parameters got a gradient is summed across them once per backward pass
+(`settle_ranks`), for every unit whose gradient became final in it. A unit every parameter of which
+got one here needs no other rank's word and its update starts at once; one with a parameter that
+got none here waits for that sum. So the usual step adds one small collective at the end of
+backward, not one per unit, which on a GPU would wait for backward's kernels unit by unit.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class GradientPath:
         self.window_steps = self.micro_batches = policy.grad_accumulation
         self.with_gradient: set[int] = set()  # units given a gradient in this window
         self._final: set[int] = set()  # of those, units whose gradient was final in the last micro-step
+        self._final_now: list[int] = []  # units whose gradient became final in this backward pass
+        self._waiting: set[int] = set()  # of those, units whose update waits for `settle_ranks`
         # `StatePolicy.step_in_memory`: each unit's gradient, per chunk, as autograd made it, until step()
         self.kept: dict[int, list[list[torch.Tensor]]] = {}
         self._sqnorm: dict[int, float] = {}
@@ -102,19 +110,24 @@ class GradientPath:
         last = final and self.micro + 1 == self.window_steps
         # One micro-step whose update starts now, where the gradient already is: the update takes
         # it as it stands, with no copy into the store and no wait for room there.
-        hand_over = (first and last and self.policy.hands_over_window(self.window_steps)
-                     and unit.device == self.work_device)
-        in_memory = self.policy.step_in_memory and self.window_steps == 1
         used = self._used.setdefault(unit.index, [False] * len(grads))
         for i, g in enumerate(grads):
             used[i] = used[i] or g is not None
+        waits = last and world > 1 and not all(used)  # for the other ranks' word: `settle_ranks`
+        hand_over = (first and last and not waits and self.policy.hands_over_window(self.window_steps)
+                     and unit.device == self.work_device)
+        in_memory = self.policy.step_in_memory and self.window_steps == 1
         with torch.no_grad():
             pieces = unit.gradient_pieces(grads, 1.0 / (world * self.micro_batches * self.scaler.scale),
                                           keep=hand_over)
             del grads
             if last:
                 self._final.add(unit.index)
-                self._settle_idle(unit)
+                self._final_now.append(unit.index)
+                if waits:
+                    self._waiting.add(unit.index)
+                elif world == 1:
+                    self._settle_idle(unit)
             self.with_gradient.add(unit.index)
             if in_memory:
                 self._keep(unit, pieces, whole=first and last)
@@ -170,9 +183,29 @@ class GradientPath:
             self._settle_idle(unit)
         return late
 
+    def settle_ranks(self) -> list[int]:
+        """At the end of a backward pass, with several ranks: which parameters of the units whose
+        gradient became final in it got a gradient on any rank, summed in one collective (the same
+        units, in the same order, on every rank). Returns the units whose update waited for it."""
+        settled, self._final_now = self._final_now, []
+        waiting, self._waiting = sorted(self._waiting), set()
+        if self.group.world == 1 or not settled:
+            return waiting
+        order = sorted(settled)
+        flags = torch.tensor([f for i in order for f in self._used[i]], dtype=torch.float32, device=self.device)
+        all_reduce_sum(flags, self.group)
+        values, at = flags.tolist(), 0
+        for i in order:
+            n = len(self._used.pop(i))
+            idle = frozenset(s for s in range(n) if values[at + s] == 0)
+            at += n
+            if idle:
+                self.idle[i] = idle
+        return waiting
+
     def _settle_idle(self, unit: FlatUnit) -> None:
         """The unit's gradient is final: its slots that got none, on this rank or (with more than
-        one, reduced in the order every rank reduces this unit's gradient) on any."""
+        one, a late unit's, summed in the order every rank takes them) on any."""
         used = self._used.pop(unit.index)
         if self.group.world > 1:
             flags = torch.tensor(used, dtype=torch.float32, device=self.device)
@@ -185,7 +218,7 @@ class GradientPath:
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
-        if self.micro + 1 == self.window_steps and self.policy.overlapped:
+        if self.micro + 1 == self.window_steps and self.policy.overlapped and unit.index not in self._waiting:
             self.updates.overlap(unit, lr, handed, self.idle)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
@@ -220,6 +253,8 @@ class GradientPath:
         self.updates.end_window()
         self.with_gradient.clear()
         self._final.clear()
+        self._final_now.clear()
+        self._waiting.clear()
         self._used.clear()
         self.idle.clear()
         self._sqnorm.clear()
