@@ -63,3 +63,28 @@ def assert_same_weights(a, b, tol=1e-5):
     sa, sb = a.full_state_dict(), b.full_state_dict()
     for k, v in sa.items():
         torch.testing.assert_close(sb[k], v, rtol=tol, atol=tol, msg=k)
+
+
+def plain_kwargs_steps(model, batches, hp=HP):
+    """Losses of plain torch.optim.AdamW steps (of the trainable parameters), one per batch of
+    keyword arguments, for a model that returns an object with `.loss` (Hugging Face)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **hp)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def engine_kwargs_steps(engine, batches):
+    """Losses of the engine's steps, one per batch of keyword arguments (see `plain_kwargs_steps`)."""
+    losses = []
+    for batch in batches:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses

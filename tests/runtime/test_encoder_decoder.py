@@ -4,7 +4,7 @@ equal to plain AdamW, `generate()` (which runs the encoder on its own first) and
 import pytest
 import torch
 import transformers
-from helpers import assert_losses_match, assert_same_weights
+from helpers import assert_losses_match, assert_same_weights, engine_kwargs_steps, plain_kwargs_steps
 
 import outcore
 
@@ -33,39 +33,15 @@ def engine(directory, nvme_dir, accum=1, wrap=lambda model: model):
     return outcore.Engine(wrap(model), cfg, outcore.AdamW(**HP), weights=directory)
 
 
-def plain_steps(model, data):
-    """Losses of plain torch.optim.AdamW steps on `data`, one per batch."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP)
-    losses = []
-    for batch in data:
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def engine_steps(ours, data):
-    """Losses of the engine's steps on `data`, one per batch."""
-    losses = []
-    for batch in data:
-        loss = ours(**batch).loss
-        ours.backward(loss)
-        ours.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def test_t5_pages_both_stacks_trains_as_plain_adamw_and_generates_the_same(tmp_path):
     directory = save_t5(str(tmp_path / "t5"))
     plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory)
     data = pairs(4)
-    want = plain_steps(plain, data)
+    want = plain_kwargs_steps(plain, data, HP)
     ours = engine(directory, tmp_path / "nvme")
     assert [u.plan.name for u in ours.units] == [*(f"encoder.block.{i}" for i in range(3)),
                                                  *(f"decoder.block.{i}" for i in range(2)), ""]
-    assert_losses_match(engine_steps(ours, data), want, rel=1e-5)
+    assert_losses_match(engine_kwargs_steps(ours, data), want, rel=1e-5)
     trained = ours.full_state_dict()
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -83,7 +59,7 @@ def test_t5_train_batch_equals_accumulation(tmp_path):
     directory = save_t5(str(tmp_path / "t5"))
     data = pairs(2 * k)
     ref = engine(directory, tmp_path / "ref", accum=k)
-    want = engine_steps(ref, data)
+    want = engine_kwargs_steps(ref, data)
     ours = engine(directory, tmp_path / "ours")
     got = [loss for s in range(2) for loss in ours.train_batch(data[s * k:(s + 1) * k])["losses"]]
     assert_losses_match(got, want, rel=1e-5)
@@ -104,7 +80,7 @@ def test_t5_with_lora_trains_and_generates_as_peft_does_and_exports_merged(tmp_p
     ref = peft.get_peft_model(transformers.AutoModelForSeq2SeqLM.from_pretrained(directory), lora)
     ref.load_state_dict({k: v for k, v in ours.full_state_dict().items() if "lora_" in k}, strict=False)
     data = pairs(3)
-    assert_losses_match(engine_steps(ours, data), plain_steps(ref, data), rel=1e-5)
+    assert_losses_match(engine_kwargs_steps(ours, data), plain_kwargs_steps(ref, data, HP), rel=1e-5)
     ours.eval()
     ref.eval()
     prompt = pairs(1, seed=5)[0]["input_ids"]

@@ -5,6 +5,7 @@ AdamW leaves it: its parameters get no gradient, so they sit every update out.""
 
 import torch
 import transformers
+from helpers import assert_losses_match, engine_kwargs_steps, plain_kwargs_steps
 
 import outcore
 
@@ -26,15 +27,8 @@ def test_llava_builds_its_vision_buffers_and_text_only_training_equals_plain_ada
     directory = save_llava(str(tmp_path / "llava"))
     ref = transformers.LlavaForConditionalGeneration.from_pretrained(directory)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(1, 90, (2, 10), generator=g) for _ in range(3)]
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
-    expected = []
-    for x in data:
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    data = [{"input_ids": x, "labels": x} for x in (torch.randint(1, 90, (2, 10), generator=g) for _ in range(3))]
+    expected = plain_kwargs_steps(ref, data, HP)
 
     with outcore.deferred_init():
         model = transformers.LlavaForConditionalGeneration(transformers.AutoConfig.from_pretrained(directory))
@@ -43,14 +37,7 @@ def test_llava_builds_its_vision_buffers_and_text_only_training_equals_plain_ada
     engine = outcore.Engine(model, cfg, outcore.AdamW(**HP), weights=directory)
     tower = model.model.vision_tower.embeddings
     assert torch.equal(tower.position_ids, ref.model.vision_tower.embeddings.position_ids)
-    ours = []
-    for x in data:
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        ours.append(loss.item())
-    for a, b in zip(ours, expected, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    assert_losses_match(engine_kwargs_steps(engine, data), expected)
     trained = engine.full_state_dict()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -3,7 +3,7 @@
 
 import torch
 import transformers
-from helpers import assert_losses_match
+from helpers import assert_losses_match, engine_kwargs_steps, plain_kwargs_steps
 
 import outcore
 
@@ -32,27 +32,14 @@ def test_clip_loads_its_weights_and_trains_as_plain_adamw(tmp_path):
     directory = save_clip(str(tmp_path / "clip"))
     data = batches(4)
     ref = transformers.CLIPModel.from_pretrained(directory)
-    opt = torch.optim.AdamW(ref.parameters(), **HP)
-    expected = []
-    for batch in data:
-        loss = ref(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected = plain_kwargs_steps(ref, data, HP)
 
     with outcore.deferred_init():
         model = transformers.CLIPModel(transformers.AutoConfig.from_pretrained(directory))
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
                          grad_clip=None)
     engine = outcore.Engine(model, cfg, outcore.AdamW(**HP), weights=directory)
-    ours = []
-    for batch in data:
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        ours.append(loss.item())
-    assert_losses_match(ours, expected)
+    assert_losses_match(engine_kwargs_steps(engine, data), expected)
     trained = engine.full_state_dict()
     assert trained["logit_scale"].shape == ()
     torch.testing.assert_close(trained["logit_scale"], ref.logit_scale.detach(), rtol=1e-5, atol=1e-6)
