@@ -127,7 +127,7 @@ class GradientPath:
                 if waits:
                     self._waiting.add(unit.index)
                 elif world == 1:
-                    self._settle_idle(unit)
+                    self._settle([unit.index])
             self.with_gradient.add(unit.index)
             if in_memory:
                 self._keep(unit, pieces, whole=first and last)
@@ -180,7 +180,7 @@ class GradientPath:
                 if self.scaler.enabled and not math.isfinite(sqnorm):
                     self._overflow = True
             self._final.add(unit.index)
-            self._settle_idle(unit)
+        self._settle([u.index for u in late])
         return late
 
     def settle_ranks(self) -> list[int]:
@@ -189,31 +189,25 @@ class GradientPath:
         units, in the same order, on every rank). Returns the units whose update waited for it."""
         settled, self._final_now = self._final_now, []
         waiting, self._waiting = sorted(self._waiting), set()
-        if self.group.world == 1 or not settled:
-            return waiting
-        order = sorted(settled)
-        flags = torch.tensor([f for i in order for f in self._used[i]], dtype=torch.float32, device=self.device)
-        all_reduce_sum(flags, self.group)
-        values, at = flags.tolist(), 0
-        for i in order:
-            n = len(self._used.pop(i))
-            idle = frozenset(s for s in range(n) if values[at + s] == 0)
-            at += n
-            if idle:
-                self.idle[i] = idle
+        if self.group.world > 1 and settled:
+            self._settle(sorted(settled))
         return waiting
 
-    def _settle_idle(self, unit: FlatUnit) -> None:
-        """The unit's gradient is final: its slots that got none, on this rank or (with more than
-        one, a late unit's, summed in the order every rank takes them) on any."""
-        used = self._used.pop(unit.index)
-        if self.group.world > 1:
-            flags = torch.tensor(used, dtype=torch.float32, device=self.device)
-            all_reduce_sum(flags, self.group)
-            used = [bool(f > 0) for f in flags.tolist()]
-        idle = frozenset(i for i, u in enumerate(used) if not u)
-        if idle:
-            self.idle[unit.index] = idle
+    def _settle(self, order: list[int]) -> None:
+        """These units' gradients are final: their slots that got none, here or, with several ranks,
+        on any (summed in one collective: every rank passes the same units in the same order)."""
+        used = [self._used.pop(i) for i in order]
+        flags = [f for unit in used for f in unit]
+        if self.group.world > 1 and flags:
+            summed = torch.tensor(flags, dtype=torch.float32, device=self.device)
+            all_reduce_sum(summed, self.group)
+            flags = [f > 0 for f in summed.tolist()]
+        at = 0
+        for index, unit in zip(order, used, strict=True):
+            idle = frozenset(s for s in range(len(unit)) if not flags[at + s])
+            at += len(unit)
+            if idle:
+                self.idle[index] = idle
 
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
