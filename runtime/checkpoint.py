@@ -87,8 +87,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
             meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
                     "lr": progress["lr"], "lr_scheduler": progress.get("lr_scheduler"),
                     "loss_scale": progress["loss_scale"], "config": progress["config"],
-                    "units": _layout(sm), "unit_steps": list(sm.updates.counts.units),
-                    "sat_out": sm.updates.counts.state_dict()["sat_out"],
+                    "units": _layout(sm), **sm.updates.counts.state_dict(),
                     "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
                     "hf_generation_config": progress.get("hf_generation_config"),
                     "adapter_merge": progress.get("adapter_merge"),
@@ -310,7 +309,7 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     except BaseException as e:
         sm.updates.loaded(e)  # some states are the checkpoint's, some not: the engine refuses to go on
         raise
-    sm.updates.counts.load([int(n) for n in meta["unit_steps"]], meta.get("sat_out") or {})
+    sm.updates.counts.load_state_dict(meta)
     sm.updates.loaded(None)
     meta.setdefault("client_state", {})  # written before save_checkpoint took one
     return meta

@@ -41,9 +41,13 @@ class StepCounts:
                 missed[s] += 1
 
     def state_dict(self) -> dict[str, object]:
-        return {"units": list(self.units), "sat_out": {str(u): list(m) for u, m in sorted(self.sat_out.items())}}
+        """The counts as a checkpoint's meta.json keeps them."""
+        return {"unit_steps": list(self.units),
+                "sat_out": {str(u): list(m) for u, m in sorted(self.sat_out.items())}}
 
-    def load(self, units: list[int], sat_out: dict[str, list[int]]) -> None:
+    def load_state_dict(self, meta: dict) -> None:
+        """From a checkpoint's meta.json (one written before `sat_out` has none: nothing sat out)."""
+        units = [int(n) for n in meta["unit_steps"]]
         assert len(units) == len(self.units)  # the layout matched
         self.units[:] = units
-        self.sat_out = {int(u): list(m) for u, m in sat_out.items()}
+        self.sat_out = {int(u): [int(n) for n in m] for u, m in (meta.get("sat_out") or {}).items()}
