@@ -49,7 +49,9 @@ def run_cuda_tests() -> dict:
         return {"ran": False, "why": f"no tests folder at {tests} (an installed package): run from a checkout"}
     t0 = time.perf_counter()
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", tests], cwd=root,
+        # a test module that another machine's packages cannot import must not hide the cuda tests
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+                              "--continue-on-collection-errors", tests], cwd=root,
                              capture_output=True, text=True, timeout=CUDA_TESTS_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
