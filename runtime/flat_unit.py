@@ -11,7 +11,7 @@ aliases the flat buffer to the stored shard itself, so nothing is copied.
 
 [Note: borrowed shards] With one rank the shard *is* the whole unit, so `unshard()` does not copy
 it: the flat buffer's storage swaps memory with the store's buffer of the fetched shard
-(`UntypedStorage._swap_data_ptr_`), and `reshard()` swaps it back and releases the key. The key
+(runtime/storage_swap.py), and `reshard()` swaps it back and releases the key. The key
 stays pinned while the unit is gathered, so the store neither moves nor frees that memory, and the
 gathered unit is counted in the DEVICE budget instead of beside it. Meanwhile the store's own view
 of the key is empty: nothing else may fetch or replace it (the engine updates a unit only after
@@ -43,6 +43,7 @@ from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
 from outcore.runtime.policy import StatePolicy, padded_numel
 from outcore.runtime.released import ReleasedParameter
+from outcore.runtime.storage_swap import swap_storage_memory
 from outcore.runtime.units import UnitPlan
 
 
@@ -120,6 +121,7 @@ class FlatUnit:
         self.group = group
         self.store = store
         self.resident = policy.resident
+        self.borrowing = policy.borrowing
         self.frozen = plan.frozen  # no gradient, no optimizer state: runtime/units.py [Note: frozen units]
         bounds = [] if self.frozen else policy.chunk_bounds(layout.shard)
         self.chunks = [Chunk(self, c, a, b) for c, (a, b) in enumerate(bounds)]
@@ -166,7 +168,7 @@ class FlatUnit:
     def unshard(self) -> None:
         """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
         assert self.state is UnitState.SHARDED, f"{self.name}: unshard() of a gathered unit"
-        if self.group.world == 1 and not self.resident:
+        if self.borrowing:
             self._borrow()
             self.state = UnitState.UNSHARDED
             return
@@ -192,7 +194,7 @@ class FlatUnit:
         shard = self._fetch_shard()
         storage = shard.untyped_storage()
         assert shard.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
-        self.flat.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # private torch API
+        swap_storage_memory(self.flat.untyped_storage(), storage)
         self._borrowed = storage
 
     def _gather_into(self, full: torch.Tensor) -> None:
@@ -213,7 +215,7 @@ class FlatUnit:
         assert self.state is UnitState.UNSHARDED and not self.resident, f"{self.name}: cannot reshard"
         if self._borrowed is not None:
             # The store's buffer gets its memory back.
-            self.flat.untyped_storage()._swap_data_ptr_(self._borrowed)  # type: ignore[attr-defined]
+            swap_storage_memory(self.flat.untyped_storage(), self._borrowed)
             self._borrowed = None
             self.store.release(self.param_key)
         else:

@@ -8,7 +8,7 @@ that is not this one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from outcore.offload.residency import Tier
@@ -77,14 +77,22 @@ class StatePolicy:
     sub_group_size: int
     clipping: bool
     grad_accumulation: int = 1
+    # This torch can swap two storages' memory (runtime/storage_swap.py), so one rank borrows stored
+    # shards; `outcore estimate` assumes a torch that can.
+    storage_swap: bool = True
 
     @classmethod
     def of(cls, config, *, world: int, device_type: str) -> StatePolicy:
         """The policy of `config` (an `outcore.Config`) on `world` ranks of `device_type`."""
-        return cls(world=world, stage=config.stage, offload_params=config.offload_params,
-                   offload_optimizer=config.offload_optimizer, dtype=config.dtype, device_type=device_type,
-                   prefetch_depth=config.prefetch_depth, sub_group_size=config.sub_group_size,
-                   clipping=config.grad_clip is not None, grad_accumulation=config.grad_accumulation)
+        from outcore.runtime.storage_swap import storage_swap_available
+
+        policy = cls(world=world, stage=config.stage, offload_params=config.offload_params,
+                     offload_optimizer=config.offload_optimizer, dtype=config.dtype, device_type=device_type,
+                     prefetch_depth=config.prefetch_depth, sub_group_size=config.sub_group_size,
+                     clipping=config.grad_clip is not None, grad_accumulation=config.grad_accumulation)
+        if policy.borrowing and not storage_swap_available():  # asked (and said) only where it matters
+            policy = replace(policy, storage_swap=False)
+        return policy
 
     # -- placement --------------------------------------------------------------------------------
 
@@ -116,8 +124,9 @@ class StatePolicy:
 
     @property
     def borrowing(self) -> bool:
-        """One rank under ZeRO-3 with offloaded parameters: a gathered unit borrows the store's buffer."""
-        return self.world == 1 and not self.resident
+        """One rank under ZeRO-3 with offloaded parameters, on a torch that can swap storages' memory:
+        a gathered unit borrows the store's buffer."""
+        return self.world == 1 and not self.resident and self.storage_swap
 
     @property
     def master_is_param(self) -> bool:

@@ -51,7 +51,7 @@ def run_cuda_tests() -> dict:
     try:
         # a test module that another machine's packages cannot import must not hide the cuda tests
         res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                              "--continue-on-collection-errors", tests], cwd=root,
+                              "--continue-on-collection-errors", "--tb=short", "--show-capture=no", tests], cwd=root,
                              capture_output=True, text=True, timeout=CUDA_TESTS_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -59,7 +59,7 @@ def run_cuda_tests() -> dict:
                 "seconds": time.perf_counter() - t0, "output_tail": tail[-3000:]}
     summary = (res.stdout.strip().splitlines() or [""])[-1]
     return {"ran": True, "ok": res.returncode == 0, "summary": summary, "seconds": time.perf_counter() - t0,
-            "output_tail": res.stdout[-3000:] if res.returncode else ""}
+            "output_tail": res.stdout[-6000:] if res.returncode else ""}
 
 
 def parity(device: torch.device, nvme_dir: str, *, steps: int = 4,
