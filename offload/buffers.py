@@ -44,32 +44,85 @@ class Buffer:
 class HostBuffer(Buffer):
     """Page-aligned CPU memory from anonymous mmap; page-locked when `pin` is set."""
 
-    __slots__ = ("array", "pinned")
+    __slots__ = ("array", "_lock")
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
         self._wrap(aligned_array(nbytes), pin=pin)
 
     def _wrap(self, array: np.ndarray, *, pin: bool) -> None:
-        self.array = array
-        Buffer.__init__(self, torch.from_numpy(array))  # the same memory, no copy
-        self.pinned = pin and _register_pinned(self.tensor)
+        self._lock = PageLock.of(array) if pin else None
+        # Every view of a page-locked buffer (its tensor's, the swap file's) keeps the lock alive.
+        self.array = self._lock.view if self._lock is not None else array
+        Buffer.__init__(self, torch.from_numpy(self.array))  # the same memory, no copy
+
+    @property
+    def pinned(self) -> bool:
+        return self._lock is not None and self._lock.address is not None
 
     def free(self) -> None:
-        """Unpin; the mapping itself goes when the last view of it is dropped."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        """Unpin now; the mapping itself goes when the last view of it is dropped."""
+        if self._lock is not None:
+            self._lock.release()
 
 
-def _register_pinned(t: torch.Tensor) -> bool:
-    """Page-lock `t` in place (exact size, unlike the caching host allocator's powers of two)."""
-    if not torch.cuda.is_available():
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-    if int(err) != 0:
-        log.warning("cudaHostRegister failed (%s); host buffers stay pageable and copies synchronous", err)
-        return False
-    return True
+class _LockedView(np.ndarray):
+    """An array over page-locked memory; its `lock` attribute is the `PageLock` it keeps alive."""
+
+
+class PageLock:
+    """`cudaHostRegister` over one array's memory (exact size, unlike the caching host allocator's
+    powers of two), undone by `release()` or, at the latest, when the last view of that memory is
+    gone. The lock holds the array, so the memory is never unmapped while registered: a mapping
+    that went first would leave its address registered, and the next mapping there would fail to
+    register (cudaErrorHostMemoryAlreadyRegistered) and poison the next CUDA call."""
+
+    __slots__ = ("array", "address")
+
+    def __init__(self, array: np.ndarray, address: int) -> None:
+        self.array = array
+        self.address: int | None = address
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> PageLock | None:
+        """The lock of `array`'s memory, or None where there is no CUDA or it refused (said)."""
+        if not torch.cuda.is_available():
+            return None
+        address = array.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(address, array.nbytes, 0)
+        if int(err) != 0:
+            _take_cuda_error()
+            log.warning("cudaHostRegister of %s bytes failed (%s); this buffer stays pageable and its copies "
+                        "synchronous", f"{array.nbytes:,}", err)
+            return None
+        return cls(array, address)
+
+    @property
+    def view(self) -> np.ndarray:
+        """A new view of the memory that keeps this lock (and so the memory) alive."""
+        view = self.array.view(_LockedView)
+        view.lock = self  # type: ignore[attr-defined]
+        return view
+
+    def release(self) -> None:
+        """Unregister now (once)."""
+        if self.address is not None:
+            address, self.address = self.address, None
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already; the OS unpins
+            pass
+
+
+def _take_cuda_error() -> None:
+    """A failed runtime call leaves CUDA's last error set, and torch's next kernel-launch check would
+    raise it as its own; a throwaway launch takes it (reading the last error resets it)."""
+    try:
+        torch.zeros(1, device="cuda")
+    except Exception:  # noqa: BLE001 - this is the stale error, now cleared
+        pass
 
 
 class DeviceBuffer(Buffer):

@@ -59,3 +59,21 @@ def test_a_dirty_device_key_is_written_back_through_pinned_memory(make_store):
     back = store.fetch("w", Tier.HOST).result()
     assert not back.is_cuda and torch.equal(back, torch.full((1000,), 3.0))
     store.release("w")
+
+
+def test_stores_closed_with_keys_in_host_leave_no_memory_registered(tmp_path):
+    """A closed store drops its HOST buffers without unpinning each: their memory must be unpinned
+    before it is unmapped, or the next mapping at that address fails to register and poisons the
+    next CUDA call (what two engines in a row hit on a GPU)."""
+    from outcore.offload import TieredStore
+
+    for i in range(4):
+        store = TieredStore(nvme_dir=str(tmp_path / f"s{i}"), device="cuda", device_budget=4 << 20,
+                            host_budget=8 << 20)
+        for k in range(4):
+            store.put(f"k{k}", torch.full((256 << 10,), float(k)), Tier.HOST)
+        store.close()
+    buf = HostBuffer(1 << 20, pin=True)
+    assert buf.pinned
+    torch.zeros(1, device="cuda")  # no stale CUDA error raised here
+    buf.free()
