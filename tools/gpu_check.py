@@ -210,7 +210,8 @@ def throughput(device: torch.device, preset: str, nvme_dir: str, *, offload: str
     return {"preset": preset, "params": cfg.params, "offload": offload, "batch": batch, "seq": cfg.seq,
             "step_s": step, "tokens_per_s": tokens / step, "model_TFLOPS": achieved / 1e12, "MFU": achieved / peak,
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "bytes_read": stats["bytes_read"]}
+            "bytes_read": stats["bytes_read"], "bytes_written": stats["bytes_written"],
+            "io_busy_seconds": stats["io_busy_seconds"]}
 
 
 def _synchronize(device: torch.device) -> None:

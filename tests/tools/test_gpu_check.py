@@ -32,6 +32,7 @@ def test_the_throughput_run_trains_through_nvme_and_counts_its_tokens(tmp_path):
     assert got["tokens_per_s"] == pytest.approx(2 * got["seq"] / got["step_s"])
     assert got["MFU"] == pytest.approx(got["model_TFLOPS"] * 1e12 / 1e12)
     assert got["bytes_read"] > got["params"] * 2  # the parameters and optimizer states came from the swap file
+    assert got["bytes_written"] > got["params"] * 12 and got["io_busy_seconds"] > 0  # the update went back to it
     assert list(tmp_path.iterdir()) == []  # its swap files went with it
 
 
