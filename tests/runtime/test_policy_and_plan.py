@@ -151,6 +151,17 @@ def test_overlapped_updates_hold_about_one_units_gradient():
     assert clipped.host.runtime - overlapped.host.runtime >= grads - 2 * 4 * 8192 - PAGE * 8
 
 
+def test_one_rank_that_cannot_borrow_counts_its_gathered_units_beside_the_stored_shards():
+    """On a torch without the storage swap (runtime/storage_swap.py) one rank copies each unit in,
+    as several ranks do, so the gathered units are planned as theirs are."""
+    shards = [8192, 8192, 8192, 4096]
+    borrowing = plan_memory(shapes(shards), policy())
+    copying = plan_memory(shapes(shards), policy(storage_swap=False))
+    assert policy().borrowing and not policy(storage_swap=False).borrowing
+    assert borrowing.device.gathered == 0
+    assert copying.device.gathered == plan_memory(shapes(shards), policy(world=2)).device.gathered > 0
+
+
 def test_nothing_offloaded_keeps_every_state_on_the_device():
     shards = [8192, 4096]
     plan = plan_memory(shapes(shards), policy(offload_params="none", offload_optimizer="none"))
