@@ -253,6 +253,11 @@ class TieredStore(Moves, Writes, Budgets):
             self._writes.difference_update(writes)
         return errors
 
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes the swap file holds for live keys now (cheap, unlike `stats()`)."""
+        return self._swap.used
+
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
         with self._cond:

@@ -145,6 +145,8 @@ class Engine:
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
         self._hooks: list[Any] = []
         self._closed = False
+        # Keys the config keeps in memory went to NVMe once the host budget was full: said once.
+        self._spill_said = "nvme" in (config.offload_params, config.offload_optimizer)
         self._exit_token = close_at_exit(self)  # closed before the interpreter stops its threads
         self._start(init_fn, seed, pretrained)
 
@@ -334,6 +336,13 @@ class Engine:
         self.gradients.reset(self.units, drop_grads=overflow)  # otherwise each update drops its own
         if not overflow:
             self.schedule.applied()  # the scheduler's next rate, as DeepSpeed steps it after an update
+        if not self._spill_said and self.store.swap_bytes:
+            self._spill_said = True
+            log.warning("the host budget (%s bytes) could not hold what this config keeps in memory: %s bytes of "
+                        "it rest in the swap file now (nvme_dir, or a scratch folder where that is unset) and "
+                        "are read back when needed, which is slower; raise host_budget, or leave it unset to "
+                        "size it from the memory plan", f"{self.store.stats()['host']['budget']:,}",
+                        f"{self.store.swap_bytes:,}")
         return stats
 
     def synchronize(self) -> None:

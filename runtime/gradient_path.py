@@ -213,7 +213,7 @@ class GradientPath:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
         if self.micro + 1 == self.window_steps and self.policy.overlapped and unit.index not in self._waiting:
-            self.updates.overlap(unit, lr, handed, self.idle)
+            self.updates.overlap(unit, lr, handed, self.idle, bounded=self.window_steps == 1)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm

@@ -241,7 +241,14 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         host["runtime"] += param_all
         host_needs.append(("the largest unit's parameters read from NVMe", largest_unit + PAGE))
     work = dev if work_on_device else host
-    work["gathered" if handed_over else "runtime"] += grad_all * (HANDED_OVER if handed_over else 1)
+    if handed_over:
+        work["gathered"] += grad_all * HANDED_OVER
+    elif overlapped and policy.grad_accumulation == 1:
+        # Store keys: backward waits while HANDED_OVER updates run (runtime/update_stream.py), and
+        # puts the next unit's gradient meanwhile.
+        work["runtime"] += grad_all * (HANDED_OVER + 1)
+    else:
+        work["runtime"] += grad_all
     # The update holds one unit's parameter shard: aliased ones and, on a CPU, the master ones where
     # they rest; on a GPU a master is fetched to the work tier; otherwise a new shard is staged
     # beside the old one.

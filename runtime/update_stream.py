@@ -41,9 +41,11 @@ class UpdateStream:
         self.seconds = 0.0  # time spent in updates, either way in
         self._thread = background_pool(1, "outcore-optim", nice)
         self._pending: dict[int, Future] = {}  # unit index -> its update
-        # Overlapped updates given their gradient in memory (not through the store), oldest first:
-        # backward waits while HANDED_OVER of them are still running, which bounds that memory.
-        self._handed_over: deque[Future] = deque()
+        # Overlapped updates of a one-micro-step window, oldest first: backward waits while
+        # HANDED_OVER of them are still running. That bounds the gradients alive at once, in memory
+        # or as store keys; unbounded, a GPU's backward outruns updates on the CPU and its gradients
+        # push the optimizer states out of the host budget.
+        self._behind_backward: deque[Future] = deque()
         # Units in the order their gradients were final, this step and the last: an overlapped
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
@@ -56,20 +58,22 @@ class UpdateStream:
     # -- starting updates -------------------------------------------------------------------------
 
     def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None,
-                idle: Mapping[int, frozenset[int]]) -> None:
+                idle: Mapping[int, frozenset[int]], *, bounded: bool) -> None:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
-        the chunks' gradient keys in the store)."""
+        the chunks' gradient keys in the store). `bounded`: its gradient was made in this backward
+        alone (a window of one micro-step), so waiting for earlier updates frees memory."""
         self._check()
         self._order.append(unit.index)
         following = self._next.get(unit.index)
         then = self.units[following].chunks if following is not None else []
-        if handed is not None:
-            while self._handed_over and (self._handed_over[0].done() or len(self._handed_over) >= HANDED_OVER):
-                self._result(self._handed_over.popleft())
+        if bounded:
+            behind = self._behind_backward
+            while behind and (behind[0].done() or len(behind) >= HANDED_OVER):
+                self._result(behind.popleft())
         future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle))
         self._pending[unit.index] = future
-        if handed is not None:
-            self._handed_over.append(future)
+        if bounded:
+            self._behind_backward.append(future)
 
     def start(self, units: list[FlatUnit], lr: float, coef: float,
               kept: dict[int, list[list[torch.Tensor]]] | None = None,
@@ -132,7 +136,7 @@ class UpdateStream:
         """Before a checkpoint load replaces every state: wait for the updates in flight, whatever
         their outcome, and forget them."""
         self._take_all()
-        self._handed_over.clear()
+        self._behind_backward.clear()
 
     def loaded(self, error: BaseException | None) -> None:
         """After a checkpoint load began writing: None if it replaced every state (a failed update
