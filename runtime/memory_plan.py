@@ -180,9 +180,10 @@ class MemoryPlan:
 
 
 def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
-    """Per-rank bytes of every tier for these units. Overlapped updates (`policy.overlapped`) drop
-    each unit's gradient as soon as it is final, so gradients of about one unit are alive at once
-    instead of all of them until the step. Frozen units count their parameters only."""
+    """Per-rank bytes of every tier for these units. Overlapped updates (`policy.overlapped`) of a
+    one-micro-step window drop each unit's gradient as soon as it is final, so gradients of a few
+    units are alive at once instead of all of them until the step. Frozen units count their
+    parameters only."""
     depth = max(1, policy.prefetch_depth)
     near = max(1, policy.device_window)  # the plan counts at least one unit ahead
     elem, overlapped, device_type = policy.elem, policy.overlapped, policy.device_type
@@ -201,7 +202,10 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     # One micro-step, overlapped, and the gradient already where the update runs: the update takes
     # the shard itself (no store key), and backward waits while HANDED_OVER of them are in flight.
     handed_over = policy.hands_over
-    if overlapped:
+    # Every unit's gradient lives until the step, except in an overlapped window of one micro-step:
+    # there each unit's update takes its gradient as soon as it is final.
+    per_unit = overlapped and policy.grad_accumulation == 1
+    if per_unit:
         grad_all = max((_chunk_pages(ss, 4) for ss in sizes), default=0)
     largest_unit = max(_pages(u.shard * elem) for u in units)
     full = [_pages(u.padded * elem) for u in units]
@@ -243,7 +247,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     work = dev if work_on_device else host
     if handed_over:
         work["gathered"] += grad_all * HANDED_OVER
-    elif overlapped and policy.grad_accumulation == 1:
+    elif per_unit:
         # Store keys: backward waits while HANDED_OVER updates run (runtime/update_stream.py), and
         # puts the next unit's gradient meanwhile.
         work["runtime"] += grad_all * (HANDED_OVER + 1)

@@ -58,8 +58,8 @@ def test_states_on_the_cpu_stay_there_when_updates_trail_backward(tmp_path, gpu_
 
 def test_the_plan_counts_the_gradients_of_the_updates_backward_waits_for():
     """A GPU with a HOST work tier: HANDED_OVER units' gradients wait in the store for their
-    updates while backward puts the next one's, where a window of several micro-steps (whose
-    updates backward does not wait for) counts one."""
+    updates while backward puts the next one's; a window of several micro-steps keeps every unit's
+    gradient until its last one."""
     gpu = StatePolicy(world=1, stage=3, offload_params="cpu", offload_optimizer="cpu", dtype="bf16",
                       device_type="cuda", prefetch_depth=2, sub_group_size=1 << 22, clipping=False)
     assert gpu.overlapped and not gpu.hands_over
@@ -67,7 +67,7 @@ def test_the_plan_counts_the_gradients_of_the_updates_backward_waits_for():
     one_unit = 4 << 20  # the fp32 gradient of one unit's shard
     waited = plan_memory(units, gpu).host.runtime
     accumulating = plan_memory(units, dataclasses.replace(gpu, grad_accumulation=2)).host.runtime
-    assert waited - accumulating == HANDED_OVER * one_unit
+    assert accumulating - waited == (len(units) - HANDED_OVER - 1) * one_unit
 
 
 def test_keys_the_config_keeps_in_memory_that_spill_to_the_swap_file_are_said_once(tmp_path, caplog):
@@ -96,3 +96,18 @@ def test_nothing_is_said_where_everything_fits_or_nvme_was_asked_for(tmp_path, c
             _, engine = train_engine(TinyGPT(layers=4), cfg, batches(2))
             engine.close()
     assert "could not hold" not in caplog.text
+
+
+def test_gradients_accumulated_over_micro_steps_stay_in_the_derived_host_budget(tmp_path, caplog):
+    cfg = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu", nvme_dir=str(tmp_path),
+                         grad_clip=None, grad_accumulation=4)
+    ours_model, ref_model = twins(lambda: TinyGPT(layers=8))
+    data = batches(8)
+    with caplog.at_level(logging.WARNING, logger="outcore"):
+        ours, engine = train_engine(ours_model, cfg, data, accum=4)
+    engine.synchronize()
+    stats = engine.stats()
+    assert stats["bytes_read"] == 0 and stats["bytes_written"] == 0
+    assert "could not hold" not in caplog.text
+    assert_losses_match(ours, train_plain(ref_model, data, accum=4))
+    engine.close()
