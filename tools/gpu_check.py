@@ -7,7 +7,9 @@
    every stage and offload setting the engine accepts;
 3. overlap: a host-to-device copy on the store's side stream, from pinned memory, timed with CUDA
    events against a matmul on the default stream; overlapped, the two take less than their sum;
-4. throughput: tokens/s, model TFLOPS and MFU (against the dense bf16 matmul rate measured here)
+4. the disk: sequential write and read of `--nvme-dir` with the store's default I/O settings (and
+   fio's, where installed), what the NVMe run's bytes per step are measured against;
+5. throughput: tokens/s, model TFLOPS and MFU (against the dense bf16 matmul rate measured here)
    for a GPT of about 1.3B parameters with parameters and optimizer states on NVMe, and for the
    largest preset whose states fit this machine's memory.
 Everything goes into one JSON file, written again after each part: a part that fails is recorded
@@ -160,6 +162,22 @@ def copy_overlap(device: torch.device, nbytes: int = 256 << 20) -> dict:
             "both_s": t_both, "overlap": max(0.0, min(1.0, hidden)), "ok": pinned and hidden > 0.5}
 
 
+def disk(nvme_dir: str, size: int = 2 << 30) -> dict:
+    """Sequential GB/s of `nvme_dir` through the store's I/O engine at its default settings, and
+    fio's beside it where fio is installed (None otherwise)."""
+    from outcore.offload.io_config import IOConfig
+    from outcore.tools.bench_disk import bench_disk
+
+    io = IOConfig()
+    got = bench_disk(nvme_dir, size=size, block_sizes=[io.block_size], queue_depths=[io.queue_depth],
+                     threads=[io.threads], backends=[io.backend], direct=io.direct)
+    row = got["by_block_size"][io.block_size]
+    return {"bytes": size, "write_GBps": row["ours_write_MBps"] / 1e3, "read_GBps": row["ours_read_MBps"] / 1e3,
+            "fio_write_GBps": row["fio_write_MBps"] / 1e3 if got["use_fio"] else None,
+            "fio_read_GBps": row["fio_read_MBps"] / 1e3 if got["use_fio"] else None,
+            "direct": got["results"][0]["direct_used"]}
+
+
 def matmul_peak(device: torch.device, n: int = 8192, repeats: int = 20) -> float:
     """Dense bf16 matmul FLOP/s measured here: the denominator of MFU."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -265,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  side-stream copy: {overlap['copy_GBps']:.1f} GB/s, {overlap['overlap']:.0%} hidden behind matmuls",
               flush=True)
     peak = part("matmul_peak_TFLOPS", lambda: matmul_peak(device) / 1e12)
+    io = part("disk", lambda: disk(args.nvme_dir))
+    if io is not None:
+        print(f"  disk at {args.nvme_dir}: write {io['write_GBps']:.2f} GB/s, read {io['read_GBps']:.2f} GB/s",
+              flush=True)
     steps = 2 if args.quick else 4
     runs = [("gpt-1b", "nvme")]  # about 1.3B parameters with the 32,000-row embedding
     if not args.quick:

@@ -1,6 +1,7 @@
 """The GPU kit: exits 0 where there is no GPU, and its parity check is real (run here on the CPU)."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -36,6 +37,13 @@ def test_the_throughput_run_trains_through_nvme_and_counts_its_tokens(tmp_path):
     assert list(tmp_path.iterdir()) == []  # its swap files went with it
 
 
+def test_the_disk_part_measures_the_swap_directory_with_the_stores_settings(tmp_path):
+    got = gpu_check.disk(str(tmp_path), size=8 << 20)
+    assert got["bytes"] == 8 << 20 and got["write_GBps"] > 0 and got["read_GBps"] > 0
+    assert (got["fio_read_GBps"] is None) == (shutil.which("fio") is None)
+    assert list(tmp_path.iterdir()) == []  # its file went with it
+
+
 def test_the_largest_preset_that_fits():
     assert gpu_check.largest_fitting(128 << 30) == "gpt-3b"  # 3.1B x 18 B < 64 GiB < 6.6B x 18 B
     assert gpu_check.largest_fitting(16 << 30) == "gpt-350m"
@@ -56,6 +64,7 @@ def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch
     monkeypatch.setattr(gpu_check, "parity", parity)
     monkeypatch.setattr(gpu_check, "copy_overlap", lambda device: {"ok": True, "copy_GBps": 25.0, "overlap": 0.9})
     monkeypatch.setattr(gpu_check, "matmul_peak", lambda device: 900e12)
+    monkeypatch.setattr(gpu_check, "disk", lambda nvme_dir: {"write_GBps": 2.0, "read_GBps": 3.0})
     seen = []
 
     def throughput(device, preset, nvme_dir, **kw):
