@@ -23,7 +23,7 @@ def gpu_like_updates(monkeypatch):
     updates ran at once behind backward."""
     monkeypatch.setattr(StatePolicy, "hands_over_window", lambda self, micro_steps: False)
     real = update_stream.update_chunks
-    seen = {"running": 0, "most": 0}
+    seen = {"most": 0}
     lock = threading.Lock()
 
     def slow(*args, **kwargs):
