@@ -254,9 +254,10 @@ class TieredStore(Moves, Writes, Budgets):
         return errors
 
     @property
-    def swap_bytes(self) -> int:
-        """Bytes the swap file holds for live keys now (cheap, unlike `stats()`)."""
-        return self._swap.used
+    def bytes_swapped_out(self) -> int:
+        """Bytes written to the swap file so far, those read back and freed since included (cheap,
+        unlike `stats()`)."""
+        return self._engine.counters.bytes_written
 
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""

@@ -336,14 +336,14 @@ class Engine:
         self.gradients.reset(self.units, drop_grads=overflow)  # otherwise each update drops its own
         if not overflow:
             self.schedule.applied()  # the scheduler's next rate, as DeepSpeed steps it after an update
-        if not self._spill_said and self.store.swap_bytes:
+        if not self._spill_said and self.store.bytes_swapped_out:  # even if read back since
             self._spill_said = True
             what = ("raise host_budget, or leave it unset to size it from the memory plan" if self.config.host_budget
                     else "the budget was derived with at most half the free memory: set host_budget above it")
             log.warning("the host budget (%s bytes) could not hold what this config keeps in memory: %s bytes of "
-                        "it rest in the swap file now (nvme_dir, or a scratch folder where that is unset) and "
-                        "are read back when needed, which is slower; %s", f"{self.store.stats()['host']['budget']:,}",
-                        f"{self.store.swap_bytes:,}", what)
+                        "it went to the swap file (nvme_dir, or a scratch folder where that is unset) and are "
+                        "read back when needed, which is slower; %s", f"{self.store.stats()['host']['budget']:,}",
+                        f"{self.store.bytes_swapped_out:,}", what)
         return stats
 
     def synchronize(self) -> None:

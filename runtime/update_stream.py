@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 import torch
 
-from outcore.offload import TieredStore
+from outcore.offload import Tier, TieredStore
 from outcore.offload.background import background_pool
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
@@ -79,13 +79,18 @@ class UpdateStream:
               kept: dict[int, list[list[torch.Tensor]]] | None = None,
               idle: Mapping[int, frozenset[int]] | None = None) -> None:
         """Update `units`, in this order, with gradients scaled by `coef` (the clip coefficient).
-        States in the work tier take one fused call, here; streamed ones go to the optimizer
-        thread, and each unit's future completes as its last chunk is written. `kept`: the
-        gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else in the store."""
+        `kept`: the gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else
+        in the store.
+
+        States on DEVICE take one fused call, here, as torch.optim.AdamW(fused=True) does. The
+        others go to the optimizer thread chunk by chunk, and each unit's future completes as its
+        last chunk is written; so do states resting in HOST beside the work, since one call would
+        hold every unit's states, gradient and master at once, past the least host budget
+        (runtime/memory_plan.py counts a chunk at a time)."""
         self._check()
         idle = dict(idle or {})  # by value: the caller's window resets while these updates run
         chunks = [c for u in units for c in u.chunks]
-        if self.place.opt_tier == self.place.work_tier:  # nothing to stream: one fused call
+        if self.place.opt_tier == self.place.work_tier == Tier.DEVICE:  # nothing to stream: one fused call
             t0 = time.perf_counter()
             grads = [pieces for u in units for pieces in kept[u.index]] if kept is not None else None
             with ParamWriter(self.store, self.place) as params:

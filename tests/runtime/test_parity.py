@@ -123,10 +123,11 @@ def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_tight_budgets_evict_and_change_nothing(tmp_path, clip):
+@pytest.mark.parametrize(("params", "optim"), [("nvme", "nvme"), ("cpu", "cpu"), ("nvme", "cpu"), ("cpu", "nvme")])
+def test_tight_budgets_evict_and_change_nothing(tmp_path, clip, params, optim):
     """Budgets at the engine's minimum: every fetch, prefetch and write-back goes through eviction."""
     def build(**budgets):
-        return outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
+        return outcore.Config(stage=3, offload_params=params, offload_optimizer=optim, nvme_dir=str(tmp_path),
                               grad_clip=clip, sub_group_size=2048, **budgets)
 
     ours_model, ref_model = twins(TinyGPT)

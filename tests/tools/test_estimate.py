@@ -60,12 +60,15 @@ def test_estimate_matches_engine(tmp_path, stage, params, opt, clip):
     # on a CPU a shard updated in place stays in DEVICE until pushed down, and how many are pushed
     # depends on timing (runtime/optimizer.py [Note: updated parameters stay put]). And by the
     # optimizer's read-ahead: the plan sizes each of its slots for the largest chunk, and the
-    # chunks read ahead of a small one are small too.
+    # chunks read ahead of a small one are small too. And, parameters resting in HOST, by the shards
+    # in DEVICE's prefetch window: on a CPU a shard changes tier without a copy, so the plan counts
+    # it in both, and how many sit in DEVICE as HOST peaks (backward's end) depends on timing.
     host, planned = s["host"]["peak"], plan.host.states + plan.host.runtime
     updated = sum(round_up(4 * n) for n in unit_numels(source)) if params == "nvme" else 0
     read_ahead = plan.read_ahead_ample * (round_up(8 * max(unit_numels(source))) + 4096) if opt == "nvme" else 0
+    window = plan.device.runtime if params == "cpu" else 0
     assert host <= planned, (s["host"], plan.host)
-    assert _within(host, planned) or host >= 0.9 * (planned - updated - read_ahead), (s["host"], plan.host)
+    assert _within(host, planned) or host >= 0.9 * (planned - updated - read_ahead - window), (s["host"], plan.host)
     assert _within(s["nvme"]["bytes"], plan.nvme.total), (s["nvme"], plan.nvme)
 
 
