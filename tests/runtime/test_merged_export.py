@@ -4,15 +4,15 @@
 
 import os
 import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from dist_merged_export import lora_config
 from hf_models import deferred, files, save_model, token_batches
+from launch import torchrun
 from safetensors.torch import load_file
-from test_multirank import HERE, free_port
+from test_multirank import HERE
 from transformers import AutoModelForCausalLM
 
 import outcore
@@ -229,9 +229,8 @@ def test_dora_built_with_its_weights_trains_as_plain_peft(tmp_path):
 def test_two_ranks_export_the_merge_of_what_they_hold_together(tmp_path, init):
     directory = save_model("llama", str(tmp_path / "m"))
     out = str(tmp_path / "merged")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(HERE, "dist_merged_export.py"), directory, out,
-           str(tmp_path / "nvme"), init]
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_merged_export.py"), directory, out, str(tmp_path / "nvme"),
+           init]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory), lora_config(init))

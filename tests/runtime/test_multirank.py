@@ -2,25 +2,19 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 from helpers import assert_losses_match, train_plain, twins
+from launch import torchrun
 from models import TinyGPT, batches
 from safetensors.torch import load_file
 
 from outcore.tools.export import export_checkpoint
 
 HERE = os.path.dirname(__file__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("stage, params, optim, clip, chunk, compiled", [(3, "nvme", "nvme", 1.0, 1024, False),
@@ -31,8 +25,7 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     out = str(tmp_path / "result.json")
     cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
            "grad_clip": clip, "sub_group_size": chunk}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(HERE, "dist_train.py"), out, json.dumps(cfg), "12"]
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_train.py"), out, json.dumps(cfg), "12"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"COMPILE_BACKEND": "aot_eager"} if compiled else {})}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -56,8 +49,7 @@ def run_ranks(world: int, tmp_path, name: str, cfg: dict, first: int, last: int,
     out = str(tmp_path / name)
     script = [os.path.join(HERE, "reshard_train.py"), out, json.dumps(cfg), str(first), str(last), resume]
     if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", *script]
+        cmd = [*torchrun(world, tmp_path), *script]
     else:
         cmd = [sys.executable, *script]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -86,8 +78,7 @@ def test_two_ranks_train_batch_equals_one_rank_accumulating_the_global_batch(tmp
     out = str(tmp_path / "result.json")
     cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
            "grad_clip": 1.0, "sub_group_size": 1024, "dtype": dtype}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(HERE, "dist_train_batch.py"), out, json.dumps(cfg), "3", "2"]
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_train_batch.py"), out, json.dumps(cfg), "3", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.load(open(out))

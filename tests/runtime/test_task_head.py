@@ -6,15 +6,15 @@ out, each said once; inside the base model a missing or unexpected tensor is sti
 import logging
 import os
 import subprocess
-import sys
 
 import peft
 import pytest
 import torch
 import transformers
 from hf_models import VOCAB, save_model
+from launch import torchrun
 from safetensors.torch import load_file, save_file
-from test_multirank import HERE, free_port
+from test_multirank import HERE
 
 import outcore
 
@@ -141,9 +141,7 @@ def test_the_same_architecture_missing_its_head_is_still_an_error(tmp_path):
 def test_two_ranks_draw_the_same_new_head_as_one(tmp_path):
     directory = save_model("llama", str(tmp_path / "lm"))
     out = str(tmp_path / "two.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(HERE, "dist_task_head.py"), directory, out,
-           str(tmp_path / "nvme2")]
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_task_head.py"), directory, out, str(tmp_path / "nvme2")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     two = torch.load(out, weights_only=True)

@@ -6,12 +6,12 @@ accumulation window and not run in the last one: its norm is counted and its upd
 import copy
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from branch_models import BranchNet, batch
-from test_multirank import HERE, free_port
+from launch import torchrun
+from test_multirank import HERE
 
 import outcore
 
@@ -89,8 +89,7 @@ def test_two_ranks_update_a_parameter_only_one_of_them_gave_a_gradient(tmp_path)
     over the global batch, and sits out only the steps in which no rank took it. (Every rank runs
     every unit: block 1 runs on rank 1 too, on no rows, as FSDP and DeepSpeed also require.)"""
     out = str(tmp_path / "two.pt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", os.path.join(HERE, "dist_branch.py"), out, str(tmp_path / "nvme2")]
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_branch.py"), out, str(tmp_path / "nvme2")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     torch.manual_seed(0)

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
+from launch import torchrun  # noqa: E402
+
 from outcore.tools.cli import main
 from outcore.tools.train import TrainOptions, lr_at, train
 
@@ -156,18 +159,12 @@ def test_two_ranks_under_torchrun_train_on_their_own_rows_as_one_rank_on_both(tm
     """Each rank takes its rows of one global batch: 2 ranks of batch 2 train as 1 rank of batch 4
     (every rank had trained on the same rows before), rank 0 alone reports the mean loss, and their
     checkpoint resumes on one rank as if it had run throughout."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = ["train", "--steps", "4", "--seq", "32", "--dtype", "fp32", "--offload-params", "nvme",
             "--offload-optimizer", "nvme", "--eval-every", "2", "--eval-batches", "2"]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "outcore.tools.cli", *args,
-                          "--batch", "2", "--json", "two.json", "--out", "two"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, env=env)
+    two = subprocess.run([*torchrun(2, tmp_path), "-m", "outcore.tools.cli", *args, "--batch", "2", "--json",
+                          "two.json", "--out", "two"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     one = subprocess.run([sys.executable, "-m", "outcore.tools.cli", *args, "--batch", "4", "--json", "one.json",
                           "--out", "one", "--steps", "6"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
