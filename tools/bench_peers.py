@@ -4,10 +4,12 @@
                                         [--dir .] [--kinds plain,outcore,deepspeed] [--json PATH]
 
 outcore and DeepSpeed both keep parameters and optimizer states on NVMe (`--dir`), fp32, no
-clipping, each with its default budgets; plain PyTorch keeps everything in memory. Each run is its
+clipping, each with its default budgets; plain PyTorch keeps everything in memory. The kind
+`deepspeed-cpu` (asked for by name) offloads both to CPU memory instead: DeepSpeed's own cost with
+no disk in its step, which tells how much of its NVMe step is I/O. Each run is its
 own process, the kinds are interleaved over `--rounds`, and the table gives medians: seconds per
 step (after a warm-up step), the ratio to plain, peak RSS, and the bytes the process read and
-wrote on the disk per step (the kernel's count, the same for all three); then each kind's ratio
+wrote on the disk per step (the kernel's count, the same for every kind); then each kind's ratio
 to the first, round by round.
 
 DeepSpeed is not a dependency of outcore. Where `import deepspeed` works, it runs; else its row
@@ -31,7 +33,8 @@ import psutil
 from outcore.tools.report import check_json_argument, peak_rss, table, write_json
 from outcore.tools.units import human_bytes
 
-KINDS = ("plain", "outcore", "deepspeed")
+KINDS = ("plain", "outcore", "deepspeed", "deepspeed-cpu")
+DEFAULT_KINDS = KINDS[:3]
 
 
 def deepspeed_available() -> bool:
@@ -42,8 +45,19 @@ def deepspeed_available() -> bool:
     return True
 
 
-def run_deepspeed(preset: str, batch: int, steps: int, nvme_root: str) -> dict:
-    """DeepSpeed ZeRO-3 with parameters and optimizer states on NVMe (its aio op), fp32, no clipping."""
+def deepspeed_config(batch: int, offload: str, nvme_path: str) -> dict:
+    """ZeRO-3, fp32, no clipping, parameters and optimizer states offloaded to `offload` ("nvme" or "cpu")."""
+    where = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {})}
+    return {
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3, "offload_param": dict(where), "offload_optimizer": dict(where)},
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1},
+    }
+
+
+def run_deepspeed(preset: str, batch: int, steps: int, nvme_root: str, offload: str = "nvme") -> dict:
+    """DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to `offload` (NVMe through its aio op)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -58,13 +72,7 @@ def run_deepspeed(preset: str, batch: int, steps: int, nvme_root: str) -> dict:
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g) for _ in range(steps + 1)]
     with tempfile.TemporaryDirectory(dir=nvme_root) as d:
-        ds_config = {
-            "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": d},
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": d}},
-            "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1},
-        }
+        ds_config = deepspeed_config(batch, offload, d)
         deepspeed.init_distributed(dist_backend="gloo")
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = GPT(cfg)
@@ -85,8 +93,8 @@ def run_kind(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> 
     from outcore.tools.bench_engine import run_step
 
     io0 = psutil.Process().io_counters()
-    if kind == "deepspeed":
-        out = run_deepspeed(preset, batch, steps, nvme_root)
+    if kind.startswith("deepspeed"):
+        out = run_deepspeed(preset, batch, steps, nvme_root, "cpu" if kind == "deepspeed-cpu" else "nvme")
     else:
         out = run_step("plain" if kind == "plain" else "nvme-noclip", preset, batch, steps, nvme_root, None)
     io1 = psutil.Process().io_counters()
@@ -117,16 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=".", help="where both runtimes put their NVMe files")
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"from {', '.join(KINDS)}")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     check_json_argument(p, args.json)  # before rounds that take minutes
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if set(kinds) - set(KINDS):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")
-    if "deepspeed" in kinds and not deepspeed_available():
-        print("deepspeed is not importable here: its row is left out (see this module's docstring to install it)")
-        kinds.remove("deepspeed")
+    left_out = [k for k in kinds if k.startswith("deepspeed")]
+    if left_out and not deepspeed_available():
+        print(f"deepspeed is not importable here: {', '.join(left_out)} left out (see this module's docstring "
+              "to install it)")
+        kinds = [k for k in kinds if k not in left_out]
     os.makedirs(args.dir, exist_ok=True)
     results = []
     for r in range(args.rounds):

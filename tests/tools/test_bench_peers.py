@@ -20,3 +20,21 @@ def test_plain_and_outcore_side_by_side(tmp_path, capsys, monkeypatch):
     assert per_round[0].split(": ")[1].split() == ratios
     assert all(r["step_s"] > 0 and r["peak_rss"] > 0 for r in results)
     assert results[1]["disk_written_per_step"] > 0  # outcore's states went to the disk
+
+
+def test_deepspeed_offloads_both_states_where_its_kind_says():
+    on_disk = bench_peers.deepspeed_config(2, "nvme", "/swap")["zero_optimization"]
+    in_memory = bench_peers.deepspeed_config(2, "cpu", "/swap")["zero_optimization"]
+    assert on_disk["stage"] == in_memory["stage"] == 3
+    for key in ("offload_param", "offload_optimizer"):
+        assert on_disk[key] == {"device": "nvme", "nvme_path": "/swap"}
+        assert in_memory[key] == {"device": "cpu"}  # no path: nothing of DeepSpeed's touches the disk
+
+
+def test_every_deepspeed_kind_is_left_out_by_name_without_deepspeed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_peers, "deepspeed_available", lambda: False)
+    assert bench_peers.main(["--preset", "tiny", "--batch", "1", "--steps", "1", "--rounds", "1",
+                             "--dir", str(tmp_path / "nvme"), "--kinds", "plain,deepspeed,deepspeed-cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "deepspeed, deepspeed-cpu left out" in printed
+    assert "round 1/1 plain" in printed and "round 1/1 deepspeed" not in printed
