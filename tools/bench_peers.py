@@ -33,7 +33,8 @@ import psutil
 from outcore.tools.report import check_json_argument, peak_rss, table, write_json
 from outcore.tools.units import human_bytes
 
-KINDS = ("plain", "outcore", "deepspeed", "deepspeed-cpu")
+DEEPSPEED_OFFLOAD = {"deepspeed": "nvme", "deepspeed-cpu": "cpu"}  # kind -> where both states go
+KINDS = ("plain", "outcore", *DEEPSPEED_OFFLOAD)
 DEFAULT_KINDS = KINDS[:3]
 
 
@@ -93,8 +94,8 @@ def run_kind(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> 
     from outcore.tools.bench_engine import run_step
 
     io0 = psutil.Process().io_counters()
-    if kind.startswith("deepspeed"):
-        out = run_deepspeed(preset, batch, steps, nvme_root, "cpu" if kind == "deepspeed-cpu" else "nvme")
+    if kind in DEEPSPEED_OFFLOAD:
+        out = run_deepspeed(preset, batch, steps, nvme_root, DEEPSPEED_OFFLOAD[kind])
     else:
         out = run_step("plain" if kind == "plain" else "nvme-noclip", preset, batch, steps, nvme_root, None)
     io1 = psutil.Process().io_counters()
@@ -132,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if set(kinds) - set(KINDS):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")
-    left_out = [k for k in kinds if k.startswith("deepspeed")]
-    if left_out and not deepspeed_available():
-        print(f"deepspeed is not importable here: {', '.join(left_out)} left out (see this module's docstring "
-              "to install it)")
-        kinds = [k for k in kinds if k not in left_out]
+    deepspeed_kinds = [k for k in kinds if k in DEEPSPEED_OFFLOAD]
+    if deepspeed_kinds and not deepspeed_available():
+        print(f"deepspeed is not importable here: {', '.join(deepspeed_kinds)} left out (see this module's "
+              "docstring to install it)")
+        kinds = [k for k in kinds if k not in DEEPSPEED_OFFLOAD]
     os.makedirs(args.dir, exist_ok=True)
     results = []
     for r in range(args.rounds):
