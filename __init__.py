@@ -1,13 +1,15 @@
 """outcore: offload-first, out-of-core training for PyTorch on one node.
 
 The public API lives here; the packages under it are `outcore.offload` (the tiered store),
-`outcore.runtime` (the ZeRO engine) and `outcore.tools` (the command line). Names load on first
-use, so that `outcore bench-disk` and the other torch-free paths start without importing torch.
+`outcore.runtime` (the ZeRO engine), `outcore.hf` (Hugging Face models, data and the Trainer) and
+`outcore.tools` (the command line). Names load on first use, so that `outcore bench-disk` and the
+other torch-free paths start without importing torch.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from outcore.offload.lazy_exports import lazy_exports
+from outcore.runtime.model_family import register_family
 
 if TYPE_CHECKING:
     from outcore.offload.errors import CheckpointCorruptError as CheckpointCorruptError
@@ -41,6 +43,18 @@ _EXPORTS = {
     "RanksLostError": "outcore.runtime.collectives",
     "ReleasedParameterError": "outcore.runtime.released",
 }
+
+
+
+def _hugging_face_family(model: Any) -> Any:
+    """The engine knows Hugging Face models through `outcore.hf` (runtime/model_family.py), loaded
+    when an engine first asks about a model."""
+    from outcore.hf.model_family import hugging_face_family
+
+    return hugging_face_family(model)
+
+
+register_family(_hugging_face_family)
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

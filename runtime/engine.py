@@ -31,22 +31,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.runtime.adapter_init import check_adapter_inits
-from outcore.runtime.adapter_merge import merge_record
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hf_model import hf_settings, is_peft, read_generation_config
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import LearningRate, Schedule, SchedulerFactory
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
+from outcore.runtime.model_family import family_of
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
@@ -116,16 +115,17 @@ class Engine:
                              "weights=.")
         state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
-        check_adapter_inits(model)
+        self.family = family_of(model)  # what the engine asks of the model beyond nn.Module
+        self.family.check()
         plans = plan_units(model, config.unit_classes)
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
-        pretrained = PretrainedWeights(os.fspath(weights)) if weights is not None else None
-        adapters = is_peft(model)  # trainable parameters missing from the files are its adapters
+        pretrained = PretrainedWeights(os.fspath(weights), self.family) if weights is not None else None
+        adapters = self.family.has_adapters()  # trainable parameters missing from the files are its adapters
         if pretrained is not None:  # every name and shape checked before anything is written
-            pretrained.check([s for p in plans for s in p.slots], model, new=lambda slot: adapters and not slot.frozen)
+            pretrained.check([s for p in plans for s in p.slots], new=lambda slot: adapters and not slot.frozen)
             if os.path.isdir(pretrained.path):
-                read_generation_config(model, pretrained.path)
+                self.family.read_settings(pretrained.path)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         self.store, self.place, read_ahead, self._owned_dir = open_store(config, self.policy, self.device,
                                                                          self.group.rank, shapes_of(plans, self.policy))
@@ -137,7 +137,7 @@ class Engine:
         self.gradients = GradientPath(self.store, self.policy, self.place, self.group, self.scaler, self.updates,
                                       device=self.device, work_device=work_device)
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
-                                    state_dict_keys)
+                                    state_dict_keys, self.family)
         self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
         self._batch: VerticalBatch | None = None  # a train_batch in flight
         self._random_draws = RandomDraws(self.device)
@@ -181,6 +181,19 @@ class Engine:
         """A torch optimizer of one parameter group, `{"lr": ...}`, for a torch LR scheduler to drive
         (`lr_scheduler=` builds one on it and the engine steps it)."""
         return self.schedule.optimizer
+
+    @property
+    def lr_scheduler(self) -> LRScheduler | None:
+        """The LR scheduler the engine steps after each update it applies, or None."""
+        return self.schedule.scheduler
+
+    def use_lr_scheduler(self, factory: SchedulerFactory) -> LRScheduler:
+        """Build an LR scheduler on `engine.optimizer` and step it from now on, as `lr_scheduler=`
+        does from the start: for a caller that knows the run's length only when it trains (a
+        Trainer). Returns the scheduler."""
+        if self.schedule.scheduler is not None:
+            raise ValueError("this engine already steps an LR scheduler; one engine drives one schedule.")
+        return self.schedule.attach(factory)
 
     @_engine_call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -257,14 +270,16 @@ class Engine:
 
     @_engine_call
     def train_batch(self, micro_batches: Sequence[Any],
-                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any]:
+                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
+                    compute_loss: Callable[[Any], torch.Tensor] | None = None) -> dict[str, Any]:
         """K micro-batches as one optimizer step, each unit gathered once in forward and once in
         backward for all K (runtime/vertical.py [Note: vertical schedule]). Each micro-batch is a
         tuple of forward arguments, a dict of keyword arguments or one tensor; the model returns
-        the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. The result
-        equals K forward/backward calls and a step with `grad_accumulation=K` (for a model that
-        draws no random numbers: [Note: random draws]). Returns `step()`'s
-        stats plus "losses" (K floats)."""
+        the loss (or an object with `.loss`), or `loss_fn(output, micro_batch)` does. Or
+        `compute_loss(micro_batch)` calls the model itself, once, and returns the loss (a trainer's
+        own loss, hf/trainer.py). The result equals K forward/backward calls and a step with
+        `grad_accumulation=K` (for a model that draws no random numbers: [Note: random draws]).
+        Returns `step()`'s stats plus "losses" (K floats)."""
         count = micro_batch_count(micro_batches)
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
@@ -274,7 +289,13 @@ class Engine:
         saved = SavedActivations(self.store, self.place.work_tier, functools.partial(views_gathered_unit, self.units),
                                  host_budget=self.store.stats()["host"]["budget"] if pages else None)
 
+        if compute_loss is not None and loss_fn is not None:
+            raise ValueError("train_batch: give loss_fn (the model's output to a loss) or compute_loss (a micro-batch "
+                             "to a loss, calling the model itself), not both.")
+
         def forward(index: int) -> torch.Tensor:
+            if compute_loss is not None:
+                return batch_loss(compute_loss(micro_batches[index]), micro_batches[index], None)
             output = call_model(self.model, micro_batches[index])
             return batch_loss(output, micro_batches[index], loss_fn)
 
@@ -368,8 +389,8 @@ class Engine:
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "lr_scheduler": self.schedule.state_dict(),
                     "loss_scale": self.scaler.state_dict(),
-                    "config": self.config.to_dict(), "client_state": client_state, **hf_settings(self.model),
-                    **merge_record(self.model, self.sharded.state_dict_keys)}
+                    "config": self.config.to_dict(), "client_state": client_state,
+                    **self.family.checkpoint_record(self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call
@@ -398,7 +419,7 @@ class Engine:
         most `max_shard_size` bytes, their index, and config.json when the model carries an HF
         config. For a peft model, `adapters_only`: its adapters, for `PeftModel.from_pretrained`;
         `merge_adapters`: its base model with the adapters merged in, as `merge_and_unload()` gives."""
-        export_model(self.sharded, self.model, os.fspath(path), adapters_only=adapters_only,
+        export_model(self.sharded, os.fspath(path), adapters_only=adapters_only,
                      merge_adapters=merge_adapters, max_shard_size=max_shard_size)
 
     def stats(self) -> dict[str, Any]:
@@ -510,7 +531,7 @@ class Engine:
         """Materialize every unit into the store, then wire the hooks. A start that fails leaves no
         swap file filling the disk."""
         try:
-            lay_out_states(self.model, self.units, self.store, self.place, self.policy, self.device,
+            lay_out_states(self.family, self.units, self.store, self.place, self.policy, self.device,
                            self.group.rank, init_fn=init_fn, seed=seed, pretrained=pretrained)
         except BaseException:
             try:

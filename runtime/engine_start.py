@@ -21,15 +21,15 @@ from torch import nn
 from outcore.offload import StorageFullError, TieredStore
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
-from outcore.runtime.adapter_init import adapter_configs, computed_buffers
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import UnitShape, plan_memory, unit_shapes
+from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
-from outcore.runtime.pretrained import PretrainedWeights, model_name
+from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 
@@ -100,22 +100,23 @@ def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: 
     return store, place, read_ahead, owned
 
 
-def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, place: Placement,
+def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStore, place: Placement,
                    policy: StatePolicy, device: torch.device, rank: int, *,
                    init_fn: Callable[[nn.Module], None] | None, seed: int,
                    pretrained: PretrainedWeights | None) -> None:
     """Each unit's parameters, from `pretrained` or initialized, into the store as this rank's
     shard (the module's own copies are dropped). The buffers come first, onto the device: from
     `pretrained` where it holds them, else recomputed when built on the meta device."""
+    model = family.model
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    later = computed_buffers(model)  # an adapter's initialization computes these from the weights
+    later = family.computed_buffers()  # an adapter's initialization computes these from the weights
     for module, prefix in names.items():
         if module in later:
             continue
         full = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
-        stored = {n: pretrained.tensors[model_name(f)] for n, f in full.items()
-                  if pretrained is not None and model_name(f) in pretrained.tensors}
-        recompute_buffers(model, prefix, module, init_fn, keep=set(stored))
+        stored = {n: pretrained.tensors[family.stored_name(f)] for n, f in full.items()
+                  if pretrained is not None and family.stored_name(f) in pretrained.tensors}
+        recompute_buffers(family, prefix, module, init_fn, keep=set(stored))
         for n in full:
             buf = module._buffers[n]
             assert buf is not None
@@ -142,11 +143,10 @@ def lay_out_states(model: nn.Module, units: list[FlatUnit], store: TieredStore, 
             read_in.add(slot)
         return pretrained.read_parameter(slot, stored)
 
-    configs = adapter_configs(model)
     heads = pretrained.head_initializers(names, seed) if pretrained is not None else {}
     for unit in units:
-        materialize_unit(unit.plan, model, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
-                         read_base=read_base, adapter_configs=configs, initializers=heads)
+        materialize_unit(unit.plan, family, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
+                         read_base=read_base, initializers=heads)
         _shard(unit, store, place, policy, rank, pretrained, read_in)
     if pretrained is not None:
         pretrained.close()

@@ -51,13 +51,18 @@ class Schedule:
         self.optimizer = LearningRate(lr)
         self.scheduler: LRScheduler | None = None
         if factory is not None:
-            scheduler = factory(self.optimizer)
-            if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not self.optimizer:
-                raise TypeError("Engine(..., lr_scheduler=...): give a function that builds a torch LR scheduler on "
-                                "the optimizer it is passed, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, "
-                                f"f); this one returned {type(scheduler).__name__}"
-                                + ("" if not isinstance(scheduler, LRScheduler) else " on another optimizer") + ".")
-            self.scheduler = scheduler
+            self.attach(factory)
+
+    def attach(self, factory: SchedulerFactory) -> LRScheduler:
+        """Build the scheduler on this optimizer; it is stepped after each update from now on."""
+        scheduler = factory(self.optimizer)
+        if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not self.optimizer:
+            raise TypeError("Engine(..., lr_scheduler=...): give a function that builds a torch LR scheduler on "
+                            "the optimizer it is passed, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, "
+                            f"f); this one returned {type(scheduler).__name__}"
+                            + ("" if not isinstance(scheduler, LRScheduler) else " on another optimizer") + ".")
+        self.scheduler = scheduler
+        return scheduler
 
     @property
     def lr(self) -> float:

@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from outcore.runtime.adapter_init import ReadBase, adapter_parts, initialize_adapters, is_tuner_layer, magnitudes
-from outcore.runtime.hf_model import hf_init_for
+from outcore.runtime.model_family import ModelFamily, ReadBase
 from outcore.runtime.units import UnitPlan
 
 
@@ -53,25 +52,23 @@ def _no_weights(_module: nn.Module, _name: str, _changes: bool) -> torch.Tensor 
     return None  # without weights=, every parameter holds its own initialized value
 
 
-def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module], *,
+def materialize_unit(plan: UnitPlan, family: ModelFamily, in_units: set[nn.Module], *,
                      init_fn: Callable[[nn.Module], None] | None, seed: int,
                      loaded: Callable[[nn.Module, str], bool] = lambda _m, _n: False,
                      read_base: ReadBase = _no_weights,
-                     adapter_configs: dict[str, object] | None = None,
                      initializers: dict[nn.Module, Callable[[nn.Module], None]] | None = None) -> None:
     """Give the unit's meta parameters real CPU memory and initialize them, except those `loaded`
     says come from pretrained weights (they stay on the meta device until read). Parameters that
     already hold values, and buffers, are left as they are.
 
-    peft's adapters are then initialized as peft does it, by each adapter's config in
-    `adapter_configs` (runtime/adapter_init.py); those computed from a base weight read it first
-    with `read_base`. A module in `initializers` is initialized by its entry there (a task head new
-    to the weights, runtime/task_head.py)."""
+    Adapters (peft's, for a Hugging Face model) are then initialized as their library does it
+    (`family.initialize_adapters`); those computed from a base weight read it first with
+    `read_base`. A module in `initializers` is initialized by its entry there (a task head new
+    to the weights)."""
+    model = family.model
     modules = _unit_modules(plan, model, in_units)
-    tuner_layers = [m for m in modules if init_fn is None and is_tuner_layer(m)]
-    adapter_dicts = {d for m in tuner_layers for parts in adapter_parts(m).values() for d in parts
-                     if isinstance(d, nn.ParameterDict)}
-    dora = {d for m in tuner_layers for d in magnitudes(m).values()}
+    tuner_layers = family.adapter_layers(modules) if init_fn is None else []
+    adapter_dicts, computed_later = family.drawn_adapter_parts(tuner_layers)
     fresh = []
     for m in modules:
         names = [n for n in meta_parameters(m) if not loaded(m, n)]
@@ -94,10 +91,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
                 reset()
             elif callable(reset := getattr(m, "_reset_parameters", None)):  # nn.MultiheadAttention
                 reset()
-            elif m in dora:  # computed from the base weight with its LoRA layer's adapters, below
+            elif m in computed_later:  # computed from the base weight with its layer's adapters, below
                 continue
-            elif m in adapter_dicts:  # drawn as peft creates them (randn: a LoRA embedding's factors, IA3's
-                for p in m.parameters():  # vectors), then their layer's initialization below
+            elif m in adapter_dicts:  # drawn as their library creates them (randn), then their layer's
+                for p in m.parameters():  # initialization below
                     nn.init.normal_(p)
             else:
                 raise ValueError(f"{type(m).__name__} was built under deferred_init() but has no "
@@ -106,10 +103,10 @@ def materialize_unit(plan: UnitPlan, model: nn.Module, in_units: set[nn.Module],
         qualified = {m: ".".join(filter(None, (plan.name, n))) for n, m in plan.module.named_modules()}
         just_made = set(fresh)
         for m in tuner_layers:
-            initialize_adapters(m, qualified[m], just_made, adapter_configs or {}, read_base)
+            family.initialize_adapters(m, qualified[m], just_made, read_base)
 
 
-def recompute_buffers(model: nn.Module, name: str, module: nn.Module,
+def recompute_buffers(family: ModelFamily, name: str, module: nn.Module,
                       init_fn: Callable[[nn.Module], None] | None, keep: set[str]) -> None:
     """Give `module`'s meta buffers (except those in `keep`, which come from weights) real
     values by running its initialization again; ValueError naming a buffer left without values."""
@@ -120,12 +117,12 @@ def recompute_buffers(model: nn.Module, name: str, module: nn.Module,
         buf = module._buffers[n]
         assert buf is not None
         module._buffers[n] = torch.full_like(buf, _sentinel(buf.dtype), device="cpu")
-    hf_init = hf_init_for(model, name)
+    own_init = family.init_for(name)
     with torch.no_grad():
         if init_fn is not None:
             init_fn(module)
-        elif hf_init is not None:
-            hf_init(module)
+        elif own_init is not None:
+            own_init(module)
         elif callable(reset := getattr(module, "reset_parameters", None)):
             reset()
     for n in meta:

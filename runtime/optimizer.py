@@ -28,17 +28,40 @@ from outcore.runtime.step_counts import StepCounts
 
 @dataclass
 class AdamW:
-    """Hyper-parameters of AdamW (the same defaults as torch.optim.AdamW)."""
+    """Hyper-parameters of AdamW (the same defaults as torch.optim.AdamW). `no_decay` names the
+    parameters (as `model.named_parameters()` names them; a tied one by any of its names) that take
+    no weight decay: a second parameter group of weight_decay 0, as transformers' Trainer makes
+    for biases and norm weights."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    no_decay: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        check_hyperparameters(dataclasses.asdict(self), "AdamW")
+        check_hyperparameters({k: v for k, v in dataclasses.asdict(self).items() if k != "no_decay"}, "AdamW")
         self.lr, self.eps, self.weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if isinstance(self.no_decay, str) or not all(isinstance(n, str) for n in self.no_decay):
+            raise ValueError("AdamW.no_decay: give a set of parameter names, e.g. {'norm.weight', 'head.bias'}.")
+        self.no_decay = frozenset(self.no_decay)
+
+    def decays(self, chunk: Chunk) -> list[float]:
+        """The weight decay of each parameter of the chunk's unit, by slot index."""
+        return [0.0 if self.no_decay.intersection(slot.state_dict_names) else self.weight_decay
+                for slot in chunk.unit.plan.slots]
+
+
+@dataclass
+class _Group:
+    """The lists of one fused AdamW call: the chunk pieces that share a weight decay."""
+
+    masters: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    steps: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
@@ -82,11 +105,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
         if grads is None:
             grads = [[fetch(c.grad_key, changed=False)] for c in chunks]
         masters: list[torch.Tensor] = []
-        flat_masters: list[torch.Tensor] = []
-        flat_grads: list[torch.Tensor] = []
-        exp_avgs: list[torch.Tensor] = []
-        exp_avg_sqs: list[torch.Tensor] = []
-        steps: list[torch.Tensor] = []
+        groups: dict[float, _Group] = {}  # by weight decay
         for c, st, parts in zip(chunks, states, grads, strict=True):
             if c.unit.master_is_param:
                 master = params.master(c)
@@ -95,28 +114,34 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
                 master, m, v = st.chunk(3)
             masters.append(master)
             unit, sitting_out = c.unit.index, (idle or {}).get(c.unit.index, frozenset())
-            if counts.uniform(unit) and not sitting_out:
+            decays = hp.decays(c) if hp.no_decay else None
+            ranges = c.slot_ranges() if decays is not None else []
+            one_decay = decays is None or len({decays[slot] for slot, _, _ in ranges}) == 1
+            if counts.uniform(unit) and not sitting_out and one_decay:
                 # The states are cut where the gradient's pieces are: one fused call takes them all.
+                g = groups.setdefault(hp.weight_decay if decays is None else decays[ranges[0][0]], _Group())
                 sizes = [p.numel() for p in parts]
-                for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs)):
+                for t, out in ((master, g.masters), (m, g.exp_avgs), (v, g.exp_avg_sqs)):
                     out.extend(t.split(sizes) if len(parts) > 1 else [t])
-                flat_grads.extend(parts)
+                g.grads.extend(parts)
                 step = torch.tensor(float(counts.units[unit] + 1), dtype=torch.float32, device=st.device)
-                steps.extend([step] * len(parts))
+                g.steps.extend([step] * len(parts))
                 continue
-            # Parameter by parameter, each with its own step count; those without a gradient left out.
+            # Parameter by parameter, each with its own step count and weight decay; those without a
+            # gradient left out.
             grad = parts[0] if len(parts) == 1 else torch.cat(parts)
-            for slot, a, b in c.slot_ranges():
+            for slot, a, b in ranges or c.slot_ranges():
                 if slot not in sitting_out:
-                    for t, out in ((master, flat_masters), (m, exp_avgs), (v, exp_avg_sqs), (grad, flat_grads)):
+                    g = groups.setdefault(hp.weight_decay if decays is None else decays[slot], _Group())
+                    for t, out in ((master, g.masters), (m, g.exp_avgs), (v, g.exp_avg_sqs), (grad, g.grads)):
                         out.append(t[a:b])
-                    steps.append(torch.tensor(float(counts.of(unit, slot) + 1), dtype=torch.float32,
-                                              device=st.device))
-        if grad_scale != 1.0:
-            torch._foreach_mul_(flat_grads, grad_scale)
-        if flat_masters:  # else every parameter of these chunks sits this update out
-            torch._fused_adamw_(flat_masters, flat_grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
-                                beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps,
+                    g.steps.append(torch.tensor(float(counts.of(unit, slot) + 1), dtype=torch.float32,
+                                                device=st.device))
+        if grad_scale != 1.0 and groups:
+            torch._foreach_mul_([t for g in groups.values() for t in g.grads], grad_scale)
+        for weight_decay, g in groups.items():  # none: every parameter of these chunks sits this update out
+            torch._fused_adamw_(g.masters, g.grads, g.exp_avgs, g.exp_avg_sqs, [], g.steps, lr=lr,
+                                beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=weight_decay, eps=hp.eps,
                                 amsgrad=False, maximize=False)
         for c, master in zip(chunks, masters, strict=True):
             params.write(c, master)

@@ -11,12 +11,11 @@ is one `ValueError` naming the tensor and its file. A unit's tensors are then re
 each from its byte range when asked for, so the model is never whole in memory.
 
 A parameter that already holds values (a LoRA adapter created outside `deferred_init()`) keeps
-them and need not be in the files. A model wrapped by peft is matched under the base model's names
-(`base_model.model.` and `.base_layer` dropped), so the base model's own files load into it; a
-module peft trains whole (`modules_to_save`) fills both its frozen original and its trained copy
-from the module's stored tensors, as peft copies them. A task model on another architecture's files
-(a classifier on a causal LM's) may lack the files' head and have its own, outside the base model
-(runtime/task_head.py).
+them and need not be in the files. Names are matched as the model's family spells them in its files
+(runtime/model_family.py): for a model wrapped by peft, the base model's names, so that the base
+model's own files load into it, and a module peft trains whole fills both its frozen original and
+its trained copy. A task model on another architecture's files (a classifier on a causal LM's) may
+lack the files' head and have its own, outside the base model (`ModelFamily.new_head`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import json
 import logging
 import os
 import pickle
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -33,10 +31,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from outcore.runtime.hf_conversion import MergedTensor, assemble, convert_names
-from outcore.runtime.hf_model import wrapped_model
+from outcore.runtime.model_family import ComposedTensor, ModelFamily, NewHead
 from outcore.runtime.safetensors_stream import ST_DTYPES
-from outcore.runtime.task_head import TaskHead, seeded_init, task_head
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
 
@@ -135,52 +131,41 @@ def _is_legacy_pickle(file: str) -> bool:
         return f.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # a pickle's protocol opcode
 
 
-def model_name(name: str) -> str:
-    """A state-dict name as the base model's own files spell it (peft's wrapping taken off)."""
-    if name.startswith("base_model.model."):
-        name = name[len("base_model.model."):]
-    return _TRAINED_WHOLE.sub(".", name.replace(".base_layer.", "."))
-
-
-_TRAINED_WHOLE = re.compile(r"\.(original_module|modules_to_save\.[^.]+|token_adapter)\.")
-"""A peft `ModulesToSaveWrapper`'s two places for the module it wraps, and the place a
-`TrainableTokensWrapper` keeps it (`trainable_token_indices`)."""
-
-
 class PretrainedWeights:
     """The tensors of `path` by name, checked against a model's parameters and buffers."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, family: ModelFamily) -> None:
         self.path = path
-        self.tensors: dict[str, StoredTensor | MergedTensor] = {}
+        self.family = family
+        self.tensors: dict[str, StoredTensor | ComposedTensor] = {}
         for file in weight_files(path):
             for key, stored in _read_header(file).items():
-                name = model_name(key)
+                name = family.stored_name(key)
                 if name in self.tensors:
                     raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} and {file!r}.")
                 self.tensors[name] = stored
         self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
-        self._model: nn.Module | None = None  # set by check(): merged tensors are built for it
         self._grown: dict[ParamSlot, int] = {}  # a resized vocabulary's slot -> the rows the files hold
-        self.new_head: set[str] = set()  # a task head's parameters the files lack (runtime/task_head.py)
+        self.new_head: set[str] = set()  # a task head's parameters the files lack (`ModelFamily.new_head`)
 
-    def check(self, slots: Iterable[ParamSlot], model: nn.Module,
+    def check(self, slots: Iterable[ParamSlot],
               new: Callable[[ParamSlot], bool] = lambda _slot: False) -> None:
         """Every parameter without values has a tensor of its shape in the files (unless `new` says
         it is the model's own addition, initialized instead: a LoRA adapter), and the files hold
         nothing the model does not; otherwise one ValueError naming the first tensor at fault.
-        Stored names are first converted as transformers converts them ([Note: converted checkpoints])."""
+        Stored names are first converted as the model's family converts them (for transformers:
+        hf/conversion.py)."""
+        model, model_name = self.family.model, self.family.stored_name
         slots = list(slots)
         wanted = {model_name(n) for s in slots for n in s.state_dict_names}
         wanted.update(model_name(n) for n, _ in model.named_buffers())
-        self.tensors, converted = convert_names(model, self.tensors, wanted)
+        self.tensors, converted = self.family.convert_names(self.tensors, wanted)
         if converted:
             log.info("weights: %d stored tensor(s) of %s renamed or merged as transformers loads them",
                      converted, self.path)
-        self._model = model
-        vocabulary = _vocabulary_names(model)
-        head = task_head(model, self.path)
+        vocabulary = self.family.vocabulary_names()
+        head = self.family.new_head(self.path)
         known: set[str] = set()
         for slot in slots:
             names = [model_name(n) for n in slot.state_dict_names]
@@ -190,7 +175,7 @@ class PretrainedWeights:
                 if slot.param is None or not slot.param.is_meta:
                     continue  # it holds values of its own, which it keeps
                 outside = head is not None and all(head.outside_base(n) for n in names)
-                if outside and (not new(slot) or any(_TRAINED_WHOLE.search(n) for n in slot.state_dict_names)):
+                if outside and (not new(slot) or any(map(self.family.is_trained_copy, slot.state_dict_names))):
                     self.new_head.update(names)  # the task's head, or peft's trained copy of it
                 elif not new(slot):
                     raise ValueError(f"weights {self.path!r} have no tensor {names[0]!r}"
@@ -227,31 +212,31 @@ class PretrainedWeights:
                           seed: int) -> dict[nn.Module, Callable[[nn.Module], None]]:
         """How to initialize each module that holds a new parameter of a task head: as transformers
         does, each drawing by its name (so a peft copy of the module starts equal to it)."""
-        assert self._model is not None, "check() first"
+        model_name = self.family.stored_name
         out = {}
         for module, prefix in module_names.items():
             new = sorted(n for n in (model_name(f"{prefix}.{p}" if prefix else p) for p in module._parameters)
                          if n in self.new_head)
             if new:
-                out[module] = seeded_init(self._model, prefix, new[0], seed)
+                out[module] = self.family.head_initializer(prefix, new[0], seed)
         return out
 
     def holds(self, module_names: dict[nn.Module, str]) -> Callable[[nn.Module, str], bool]:
         """Whether the files hold parameter `name` of a module (named as in `module_names`)."""
         def holds(module: nn.Module, name: str) -> bool:
             prefix = module_names[module]
-            return model_name(f"{prefix}.{name}" if prefix else name) in self.tensors
+            return self.family.stored_name(f"{prefix}.{name}" if prefix else name) in self.tensors
         return holds
 
-    def find(self, slot: ParamSlot) -> StoredTensor | MergedTensor | None:
+    def find(self, slot: ParamSlot) -> StoredTensor | ComposedTensor | None:
         """The stored tensor of a parameter, under whichever of its (tied) names it was saved."""
         for name in slot.state_dict_names:
-            stored = self.tensors.get(model_name(name))
+            stored = self.tensors.get(self.family.stored_name(name))
             if stored is not None:
                 return stored
         return None
 
-    def read_parameter(self, slot: ParamSlot, stored: StoredTensor | MergedTensor,
+    def read_parameter(self, slot: ParamSlot, stored: StoredTensor | ComposedTensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """A parameter's stored value, into `out` (of the parameter's shape) when given, else as read
         (in its stored dtype, for fp32 training). The rows a resized vocabulary added beyond the
@@ -269,12 +254,11 @@ class PretrainedWeights:
         out[rows:] = out[:rows].mean(dim=0)
         return out
 
-    def read(self, stored: StoredTensor | MergedTensor, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, stored: StoredTensor | ComposedTensor, dtype: torch.dtype) -> torch.Tensor:
         """The tensor, read into fresh memory (not mapped: a mapped file's pages would count in RSS
         until it is closed), in its stored dtype; a conversion to `dtype` is said once per pair."""
-        if isinstance(stored, MergedTensor):
-            assert self._model is not None  # check() came first
-            return assemble(stored, lambda part: self.read(cast(StoredTensor, part), dtype), self._model)
+        if not isinstance(stored, StoredTensor):  # built from several stored tensors (check() made it)
+            return self.family.assemble(stored, lambda part: self.read(cast(StoredTensor, part), dtype))
         fd = self._open.get(stored.file)
         if fd is None:
             fd = self._open[stored.file] = os.open(stored.file, os.O_RDONLY)
@@ -297,7 +281,7 @@ class PretrainedWeights:
             os.close(fd)
         self._open.clear()
 
-    def _check_fits(self, stored: StoredTensor | MergedTensor, shape: tuple[int, ...], dtype: torch.dtype,
+    def _check_fits(self, stored: StoredTensor | ComposedTensor, shape: tuple[int, ...], dtype: torch.dtype,
                     name: str) -> None:
         if stored.shape != shape:
             raise ValueError(f"tensor {stored.key!r} in {stored.file!r} has shape {list(stored.shape)}, the "
@@ -309,7 +293,7 @@ class PretrainedWeights:
                              f"which cannot be converted to the model's {dtype}.")
 
 
-def _say_head(head: TaskHead, path: str, new: list[str], unused: list[str]) -> None:
+def _say_head(head: NewHead, path: str, new: list[str], unused: list[str]) -> None:
     if new:
         log.warning("weights: %s holds a %s; the %s's %s %s not in it and start%s as transformers initializes "
                     "a new head", path, head.stored_class, head.model_class, ", ".join(new),
@@ -318,25 +302,6 @@ def _say_head(head: TaskHead, path: str, new: list[str], unused: list[str]) -> N
         log.warning("weights: %s of the stored %s %s no place in the %s and %s left out", ", ".join(unused),
                     head.stored_class, "has" if len(unused) == 1 else "have", head.model_class,
                     "is" if len(unused) == 1 else "are")
-
-
-def _vocabulary_names(model: nn.Module) -> set[str]:
-    """The names, as the files spell them, of the parameters whose rows are the vocabulary: the
-    input embedding's weight and the output head's weight and bias."""
-    base = wrapped_model(model)
-    ends = [m for m in (_declared(base, "get_input_embeddings"), _declared(base, "get_output_embeddings"))
-            if isinstance(m, nn.Module)]
-    return {model_name(f"{name}.{p}") for name, m in base.named_modules() if any(m is e for e in ends)
-            for p in ("weight", "bias")}
-
-
-def _declared(model: nn.Module, getter: str) -> object:
-    """What the model's `getter` returns, or None where it has none: transformers' default raises
-    NotImplementedError for models with no single embedding (CLIP's text and vision towers)."""
-    try:
-        return getattr(model, getter, lambda: None)()
-    except NotImplementedError:
-        return None
 
 
 def _grown(stored: tuple[int, ...], shape: tuple[int, ...]) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 from outcore.offload import TieredStore
 from outcore.runtime.collectives import Group
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.hf_model import wrapped_model
+from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.policy import Placement
 from outcore.runtime.update_stream import UpdateStream
 
@@ -29,21 +29,23 @@ ANCHOR = "outcore_anchor"
 log = logging.getLogger(__name__)
 _TENSOR_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the C descriptor AnchorParameter's `grad` wraps
 _MODULE_APPLY = nn.Module._apply.__code__  # model.to(), .float(), ...: moves every parameter's .grad too
+_MODULE_ZERO_GRAD = nn.Module.zero_grad.__code__  # clears what is there: nothing lost by it
 
 
 class AnchorParameter(nn.Parameter):
     """The zero-size parameter `ANCHOR`. Its `.grad` is where a plain PyTorch habit looks for the
     model's gradients (`clip_grad_norm_(model.parameters())`, `model.zero_grad()`) and finds none:
     clipping would clip nothing without a word. So reading it says once in the log what to use;
-    not where `model.to()` reads it to move it, nor where torch's internals probe it (torch.compile
-    asks every tensor it meets whether it has a gradient): neither is a sign of that habit."""
+    not where `model.to()` reads it to move it, where `model.zero_grad()` clears it (a Trainer's
+    loop calls it every step, harmlessly), nor where torch's internals probe it (torch.compile
+    asks every tensor it meets whether it has a gradient): none is a sign of that habit."""
 
     _said = False
 
     @property
     def grad(self) -> torch.Tensor | None:
         caller = sys._getframe(1)
-        if (not AnchorParameter._said and caller.f_code is not _MODULE_APPLY
+        if (not AnchorParameter._said and caller.f_code not in (_MODULE_APPLY, _MODULE_ZERO_GRAD)
                 and not caller.f_globals.get("__name__", "").startswith("torch._")):
             AnchorParameter._said = True
             log.warning("a .grad of model.parameters() was read, but outcore's engine holds the model's weights "
@@ -107,6 +109,7 @@ class ShardedModel:
     group: Group
     updates: UpdateStream
     state_dict_keys: list[str]  # `model.state_dict()`'s keys, in its order, taken before sharding
+    family: ModelFamily  # what the engine asks of the model beyond nn.Module (runtime/model_family.py)
     guard: StateDictGuard = field(default_factory=StateDictGuard)
 
     def settle(self) -> None:
@@ -116,7 +119,7 @@ class ShardedModel:
     def _anchor_owner(self) -> nn.Module:
         """The model itself: the root, or under peft the base model, whose `generate()` reads its own
         device from its parameters."""
-        return wrapped_model(self.model)
+        return self.family.inner()
 
     def anchor(self, device: torch.device, dtype: torch.dtype) -> None:
         """Register the zero-size parameter of `ANCHOR` on `_anchor_owner`."""

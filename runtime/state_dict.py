@@ -15,12 +15,10 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from outcore.runtime.adapter_merge import AdapterMerge, adapter_merge
 from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.hf_model import hf_config_writer, is_peft, wrapped_model
+from outcore.runtime.model_family import TensorMerge
 from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
@@ -52,34 +50,34 @@ def full_state_dict(sm: ShardedModel) -> dict[str, torch.Tensor]:
     return {k: values[k] for k in sm.state_dict_keys}
 
 
-def export_model(sm: ShardedModel, model: nn.Module, path: str, *, adapters_only: bool, merge_adapters: bool,
+def export_model(sm: ShardedModel, path: str, *, adapters_only: bool, merge_adapters: bool,
                  max_shard_size: int) -> None:
     """`Engine.export`: the adapters alone, the model with its adapters merged in, or the model."""
     if adapters_only and merge_adapters:
         raise ValueError("export: adapters_only writes the adapters alone and merge_adapters merges them into "
                          "the base model; ask for one of them.")
     if adapters_only:
-        export_adapters(sm, path, model)
+        export_adapters(sm, path)
         return
     merge = None
     if merge_adapters:
-        if not is_peft(model):
-            raise ValueError(f"export({path!r}, merge_adapters=True): this {type(model).__name__} is not a peft "
-                             "model, so it has no adapters to merge; export it as it is.")
-        merge = adapter_merge(model, sm.state_dict_keys)
-    export(sm, path, max_shard_size=max_shard_size, save_config=hf_config_writer(wrapped_model(model)), merge=merge)
+        if not sm.family.has_adapters():
+            raise ValueError(f"export({path!r}, merge_adapters=True): this {type(sm.model).__name__} is not a "
+                             "peft model, so it has no adapters to merge; export it as it is.")
+        merge = sm.family.adapter_merge(sm.state_dict_keys)
+    export(sm, path, max_shard_size=max_shard_size, save_config=sm.family.config_writer(), merge=merge)
 
 
 def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None,
-           merge: AdapterMerge | None = None) -> None:
+           merge: TensorMerge | None = None) -> None:
     """Stream every parameter and buffer into `path`: one safetensors file when it ends in
     `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
     config.json); written aside and moved into place, keeping other files of an existing directory
     (runtime/export_target.py). With `merge`, a peft model's adapters are merged into the base
-    model's tensors, which take its names (runtime/adapter_merge.py). Rank 0 writes; every rank
+    model's tensors, which take its names (hf/adapter_merge.py). Rank 0 writes; every rank
     gathers."""
     one_file = is_one_file(path)
-    if is_peft(sm.model) and not one_file and merge is None:
+    if sm.family.has_adapters() and not one_file and merge is None:
         raise ValueError("a LoRA model's directory export is its adapters, export(dir, adapters_only=True), for "
                          "peft.PeftModel.from_pretrained on the base model; or its base model with the adapters "
                          "merged in, export(dir, merge_adapters=True), for from_pretrained alone.")
@@ -123,7 +121,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
                 save_config(target)
 
 
-def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged_tensors(sm: ShardedModel, merge: TensorMerge) -> Iterator[tuple[str, torch.Tensor]]:
     """(base-model name, CPU tensor) with the adapters merged in, a unit and its frozen sibling
     gathered together: between them they hold a module's weight and its adapter's factors. Only a
     merged tensor is copied, so the peak is the two units once."""
@@ -141,15 +139,14 @@ def _merged_tensors(sm: ShardedModel, merge: AdapterMerge) -> Iterator[tuple[str
         start = end
 
 
-def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> None:
-    """A peft model's adapters as `peft.PeftModel.from_pretrained` loads them: adapter_model.safetensors
-    (its trainable parameters, named as peft names them) and adapter_config.json. Only the trainable
-    units are gathered; rank 0 writes."""
-    from peft import get_peft_model_state_dict
+def export_adapters(sm: ShardedModel, directory: str) -> None:
+    """The model's adapters as its adapter library loads them (for peft: adapter_model.safetensors and
+    adapter_config.json, which `peft.PeftModel.from_pretrained` reads). Only the trainable units
+    are gathered; rank 0 writes."""
     from safetensors.torch import save_file
 
-    if not is_peft(peft_model):
-        raise ValueError(f"export({directory!r}, adapters_only=True): this {type(peft_model).__name__} is not a "
+    if not sm.family.has_adapters():
+        raise ValueError(f"export({directory!r}, adapters_only=True): this {type(sm.model).__name__} is not a "
                          "peft model, so it has no adapters; export it whole (adapters_only=False).")
     if is_one_file(directory):
         raise ValueError(f"export {directory!r}, adapters_only=True: adapters are a directory (what "
@@ -159,34 +156,10 @@ def export_adapters(sm: ShardedModel, directory: str, peft_model: nn.Module) -> 
     adapters = dict(_unit_tensors(sm, [u for u in sm.units if not u.frozen]))
     if sm.group.rank != 0:
         return
-    active = getattr(peft_model, "active_adapter")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
-    with sm.guard.open():  # (peft asks a module trained whole for its state_dict(): see below)
-        # Not the base embedding, which peft adds where an embedding is adapted: the base model's own
-        # files hold it, and it would mean gathering frozen units.
-        state = get_peft_model_state_dict(peft_model, state_dict=adapters, save_embedding_layers=False)
-    state.update(_trained_whole(peft_model, adapters, active))
-    if not state:
-        raise ValueError("the model has no adapter parameters to export; adapters_only=True is for peft models.")
-    configs: dict = getattr(peft_model, "peft_config")  # noqa: B009 - an nn.Module attribute mypy sees as a Tensor
-    init = getattr(configs[active], "init_lora_weights", True)
-    if isinstance(init, str) and "_niter_" in init:
-        log.warning("export %s: init_lora_weights=%r trains against a residual drawn at random, which peft draws "
-                    "again when it loads these adapters, so the loaded model differs from the trained one; "
-                    "export(merge_adapters=True) writes the trained model exactly.", directory, init)
+    with sm.guard.open():  # (peft asks a module trained whole for its state_dict())
+        state, write_config = sm.family.adapter_tensors(adapters)
     with export_target(directory) as target:
         os.makedirs(target)
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(target, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-        configs[active].save_pretrained(target)
-
-
-def _trained_whole(peft_model: nn.Module, adapters: dict[str, torch.Tensor], adapter: str) -> dict[str, torch.Tensor]:
-    """The modules peft trains whole (`modules_to_save`), under the names peft saves them by (the
-    wrapper's own, `<module>.weight`). peft finds their tensors through the module's state_dict(),
-    which under the engine holds no parameters, so they are taken from `adapters` here."""
-    out = {}
-    for path, module in peft_model.named_modules():
-        if type(module).__name__ == "ModulesToSaveWrapper" and adapter in getattr(module, "modules_to_save", {}):
-            copy = f"{path}.modules_to_save.{adapter}."
-            out.update({f"{path}.{name[len(copy):]}": v for name, v in adapters.items() if name.startswith(copy)})
-    return out
+        write_config(target)

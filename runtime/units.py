@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import parameter_adapters
-
 log = logging.getLogger(__name__)
 
 
@@ -143,19 +141,6 @@ def _check_dtypes(model: nn.Module) -> None:
                     "not in float64", len(wide), ", ".join(wide[:3]), ", ..." if len(wide) > 3 else "")
 
 
-def _check_parameter_adapters(model: nn.Module) -> None:
-    """peft's LoRA on a bare parameter (`target_parameters`: a mixture of experts' fused experts and
-    router, which "all-linear" targets under transformers 5) registers a torch parametrization on
-    the wrapped module at every forward, and that needs the parameter registered there; the engine
-    puts views of its units in place of parameters, so it cannot run. Refused here, by name."""
-    wrapped = parameter_adapters(model)
-    if wrapped:
-        raise ValueError(f"{wrapped[0]}{f' (and {len(wrapped) - 1} more)' if len(wrapped) > 1 else ''} is a peft "
-                         "LoRA adapter on a bare parameter (LoraConfig.target_parameters), which the engine cannot "
-                         "page: it swaps the parameter itself at every forward. Put adapters on modules only, e.g. "
-                         "LoraConfig(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']).")
-
-
 def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
     """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
     lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
@@ -164,7 +149,6 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
                          f"{', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}): run one forward on a sample "
                          "input first, then build the Engine, which lays out each parameter's shard by its shape.")
     _check_dtypes(model)
-    _check_parameter_adapters(model)
     outer_names: set[str] = set()  # large modules outside the blocks, units only when blocks are found
     if unit_classes:
         blocks = _by_class(model, unit_classes)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from outcore.runtime.hf_model import hf_checkpointing
+from outcore.hf.model_info import hf_checkpointing
 from outcore.tools.report import peak_rss
 from outcore.tools.units import parse_size, positive_int
 

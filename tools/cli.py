@@ -315,8 +315,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    from outcore.hf.source import HFModel
     from outcore.tools.estimate import estimate_table, hf_dims, legal_settings, train_batch_activations
-    from outcore.tools.hf_source import HFModel
     from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
     from outcore.tools.report import table, write_json
 

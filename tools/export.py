@@ -13,8 +13,8 @@ import os
 
 import torch
 
+from outcore.hf.adapter_merge import AdapterMerge
 from outcore.offload import StorageCorruptError
-from outcore.runtime.adapter_merge import AdapterMerge
 from outcore.runtime.checkpoint import BUFFER_PREFIX
 from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
@@ -51,7 +51,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
 
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
     `merge_adapters`: a LoRA run's base model with the adapters merged in, as meta.json records the
-    merge (runtime/adapter_merge.py); each merged tensor is computed in `dtype` from its parts.
+    merge (hf/adapter_merge.py); each merged tensor is computed in `dtype` from its parts.
     The output appears whole or not at all (runtime/export_target.py); other files in an existing
     directory are kept."""
     check_export_path(out)

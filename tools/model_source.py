@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from outcore.hf.source import HFModel, is_hf_directory
 from outcore.runtime import deferred_init
 from outcore.runtime.units import plan_layout, plan_units
 from outcore.tools.gpt import GPT, PRESETS, GPTConfig, init_fn
-from outcore.tools.hf_source import HFModel, is_hf_directory
 
 
 @dataclass

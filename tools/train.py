@@ -20,12 +20,12 @@ import psutil
 import torch
 
 from outcore import runtime
+from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
-from outcore.runtime.hf_model import hf_checkpointing
 from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from outcore.hf.source import HFModel
 from outcore.runtime.materialize import deferred_init
 from outcore.runtime.units import plan_units
 from outcore.tools.corpus import VOCAB, batch_generator, file_corpus, stdlib_corpus
-from outcore.tools.hf_source import HFModel
 from outcore.tools.model_source import resolve_model, unit_numels
 from outcore.tools.presets import PRESETS
 

@@ -30,7 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from outcore import runtime
-from outcore.tools.hf_source import HFModel
+from outcore.hf.source import HFModel
 from outcore.tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],

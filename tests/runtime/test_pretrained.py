@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import outcore
-from outcore.runtime.hf_model import hf_checkpointing
+from outcore.hf.model_info import hf_checkpointing
 
 KINDS = ["llama-tied", "llama", "qwen2", "gpt2", "gpt_neox", "mixtral", "mistral", "gemma2", "phi3", "opt", "falcon",
          "bloom"]
@@ -307,7 +307,7 @@ def test_generation_settings_the_caller_made_are_kept(tmp_path, caplog):
     GenerationConfig(bos_token_id=1, eos_token_id=[2, 5], max_new_tokens=6).save_pretrained(directory)
     model = deferred(directory)
     model.generation_config.max_new_tokens = 3
-    with caplog.at_level("INFO", logger="outcore.runtime.hf_model"):
+    with caplog.at_level("INFO", logger="outcore.hf.model_info"):
         engine = outcore.Engine(model, nvme_config(tmp_path), weights=directory)
     assert engine.module.generation_config.max_new_tokens == 3 and engine.module.generation_config.eos_token_id == 2
     said = [r.message for r in caplog.records if "generation_config" in r.message]
@@ -344,7 +344,7 @@ def test_a_transformers_whose_conversion_api_moved_is_said_once_and_names_match_
 
     monkeypatch.setattr(hf_conversion, "_transformers_api", lambda: (lambda model: None, object()))
     directory = save_model("gpt_neox", str(tmp_path / "m"))
-    with caplog.at_level("WARNING", logger="outcore.runtime.hf_conversion"), \
+    with caplog.at_level("WARNING", logger="outcore.hf.conversion"), \
             pytest.raises(ValueError, match="have no tensor 'lm_head.weight'"):
         outcore.Engine(deferred(directory), nvme_config(tmp_path), weights=directory)
     assert [r.message for r in caplog.records if "could not be applied" in r.message]

@@ -1,11 +1,15 @@
-"""The layers point down only (tools -> runtime -> offload), and no module imports itself back
-through others, counting imports made only for type checking."""
+"""The layers point down only (tools -> hf -> runtime -> offload), no module imports itself back
+through others, and the engine (runtime/, offload/) imports no Hugging Face library, counting
+imports made only for type checking or inside a function."""
 
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LAYERS = {"offload": 0, "runtime": 1, "tools": 2}
+LAYERS = {"offload": 0, "runtime": 1, "hf": 2, "tools": 3}
+HUGGING_FACE = ("transformers", "peft", "tokenizers", "trl", "datasets", "accelerate")
 
 
 def imports() -> dict[str, set[str]]:
@@ -45,3 +49,30 @@ def test_there_is_no_import_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def _all_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every module `path` imports, wherever the statement stands (TYPE_CHECKING, a function body)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, node.module)]
+    return out
+
+
+@pytest.mark.parametrize("package", ["runtime", "offload"])
+def test_the_engine_imports_no_hugging_face_library(package):
+    files = sorted((ROOT / package).glob("*.py"))
+    assert files
+    wrong = [f"{p.name}:{line} imports {name}" for p in files for line, name in _all_imports(p)
+             if name.split(".")[0] in HUGGING_FACE]
+    assert wrong == []
+
+
+def test_the_import_check_sees_imports_inside_functions_and_under_type_checking(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from peft import LoraConfig\n"
+                      "def f():\n    import transformers.models\n")
+    assert [name for _, name in _all_imports(module)] == ["typing", "peft", "transformers.models"]

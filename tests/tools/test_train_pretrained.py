@@ -207,7 +207,7 @@ def test_lora_on_a_mixture_of_experts_puts_adapters_on_its_linear_modules_and_sa
 
 
 def test_lora_on_gpt2_conv1d_is_configured_for_its_transposed_weights_without_a_warning(tmp_path, recwarn):
-    from outcore.tools.hf_source import HFModel
+    from outcore.hf.source import HFModel
 
     model = HFModel(save_model("gpt2", str(tmp_path / "gpt2")), lora_rank=2).build()
     assert model.peft_config["default"].fan_in_fan_out

@@ -2,7 +2,7 @@
 
 peft initializes an adapter as it wraps the model. On the meta device there is nothing to compute
 from, so the engine runs the same initialization, with peft's own methods, as each unit is
-materialized (runtime/materialize.py), for the adapters that are still without values:
+materialized (runtime/materialize.py asks through hf/model_family.py), for the adapters that are still without values:
 
 - A and B as `init_lora_weights` says: True (A like a linear layer, B zero, so the adapted model
   starts as the base model), "gaussian", or False (both as the linear layers they are).
@@ -30,14 +30,15 @@ are refused by name under deferred_init(): peft initializes them on a model buil
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 
 import torch
 from torch import nn
 
-ReadBase = Callable[[nn.Module, str, bool], "torch.Tensor | None"]
-"""`read_base(module, name, changes)`: a base weight's stored value (`weights=`), read once; None
-where the module's own value stands. `changes`: the initialization will change it."""
+from outcore.runtime.model_family import ReadBase
+
+log = logging.getLogger(__name__)
+
 REFUSED = ("eva", "corda", "lora_ga", "loftq", "mica")  # peft computes these from data or a quantized model
 
 
@@ -237,3 +238,45 @@ def _factor_weights(layer: nn.Module, adapter: str) -> tuple[torch.Tensor, torch
 
 def _scaling(layer: nn.Module, adapter: str) -> float:
     return float(getattr(layer, "scaling")[adapter])  # noqa: B009
+
+
+def draw_as_peft(model: nn.Module, before: torch.Tensor) -> None:
+    """Give a peft model's LoRA factors that are still on the meta device the values peft draws for
+    them when the base weights are real, from the CPU generator state `before` (taken just before
+    `get_peft_model`). peft, wrapping each targeted layer in module order, builds A and B as linear
+    layers (a draw each) and then re-initializes them (`reset_lora_parameters`); on a meta base it
+    makes the same draws and moves the results to the meta device. Replaying them here gives a
+    model built under deferred_init() the adapters of a model built with its weights.
+
+    Initializations computed from the base weight (PiSSA, OLoRA) and DoRA's magnitude are left to
+    the engine, which reads the weights; a replay that does not end where peft's draws ended (a peft
+    version that draws otherwise) is said once, and the generator is put back where peft left it."""
+    after = torch.get_rng_state()
+    configs = adapter_configs(model)
+    drawn = 0
+    torch.set_rng_state(before)
+    with torch.no_grad():
+        for layer in model.modules():
+            if not (is_tuner_layer(layer) and is_lora_layer(layer)):
+                continue
+            for adapter, modules in getattr(layer, "lora_A").items():  # noqa: B009
+                init = getattr(configs.get(adapter), "init_lora_weights", True)
+                factors = [modules, getattr(layer, "lora_B")[adapter]]  # noqa: B009
+                if not isinstance(modules, nn.Linear) or not (init in (True, False) or init == "gaussian"):
+                    continue
+                if not all(p.is_meta for f in factors for p in f.parameters()):
+                    continue
+                dtypes = [f.weight.dtype for f in factors]
+                for f in factors:  # drawn in fp32 as peft's fresh layers are, then cast as peft moves them
+                    f.weight = nn.Parameter(torch.empty(f.weight.shape, dtype=torch.float32),
+                                            requires_grad=f.weight.requires_grad)
+                    f.reset_parameters()
+                getattr(layer, "reset_lora_parameters")(adapter, init)  # noqa: B009
+                for f, dtype in zip(factors, dtypes, strict=True):
+                    f.weight.data = f.weight.data.to(dtype)
+                drawn += 1
+    if drawn and not torch.equal(torch.get_rng_state(), after):
+        log.warning("peft drew its LoRA adapters otherwise than outcore replays them: the %d adapters are "
+                    "initialized as peft initializes them, but not with the values plain peft would draw "
+                    "after the same seed", drawn)
+    torch.set_rng_state(after)

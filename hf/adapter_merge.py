@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import is_peft, wrapped_model
+from outcore.hf.model_info import is_peft, wrapped_model
 
 
 @dataclass(frozen=True, slots=True)

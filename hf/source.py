@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from outcore.runtime.hf_model import parameter_adapters
+from outcore.hf.model_info import parameter_adapters
 from outcore.runtime.materialize import deferred_init
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import hf_init_for, wrapped_model
+from outcore.hf.model_info import hf_init_for, wrapped_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,27 +19,15 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from outcore.runtime.hf_model import wrapped_model
+from outcore.hf.model_info import wrapped_model
+from outcore.runtime.model_family import StoredPart
 
 log = logging.getLogger(__name__)
-
-
-class StoredPart(Protocol):
-    """What is known of a stored tensor before it is read (runtime/pretrained.py's StoredTensor)."""
-
-    @property
-    def file(self) -> str: ...
-    @property
-    def key(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> torch.dtype | None: ...
 
 
 Stored = TypeVar("Stored", bound=StoredPart)

@@ -1,0 +1,24 @@
+"""outcore's Hugging Face wing: what the engine needs to know of transformers and peft models
+(runtime/model_family.py asks, hf/model_family.py answers), and the Trainer integration.
+
+    from outcore.hf import outcore_trainer
+    SFTTrainer = outcore_trainer(trl.SFTTrainer)
+
+Names load on first use, so that importing `outcore.hf` imports neither torch nor transformers.
+"""
+
+from typing import TYPE_CHECKING
+
+from outcore.offload.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from outcore.hf.trainer import Trainer as Trainer
+    from outcore.hf.trainer import outcore_trainer as outcore_trainer
+
+_EXPORTS = {
+    "outcore_trainer": "outcore.hf.trainer",
+    "Trainer": "outcore.hf.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
