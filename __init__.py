@@ -12,6 +12,7 @@ from outcore.offload.lazy_exports import lazy_exports
 from outcore.runtime.model_family import register_family
 
 if TYPE_CHECKING:
+    from outcore import hf as hf
     from outcore.offload.errors import CheckpointCorruptError as CheckpointCorruptError
     from outcore.offload.errors import OutOfBudgetError as OutOfBudgetError
     from outcore.offload.errors import StorageCorruptError as StorageCorruptError
@@ -42,6 +43,7 @@ _EXPORTS = {
     "OutOfBudgetError": "outcore.offload.errors",
     "RanksLostError": "outcore.runtime.collectives",
     "ReleasedParameterError": "outcore.runtime.released",
+    "hf": "outcore.hf",  # the Hugging Face wing, loaded on first use (it imports transformers)
 }
 
 
@@ -56,6 +58,6 @@ def _hugging_face_family(model: Any) -> Any:
 
 register_family(_hugging_face_family)
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(k for k in _EXPORTS if k != "hf")  # `import *` loads no transformers
 __version__ = "0.1.0"
 __getattr__ = lazy_exports(__name__, _EXPORTS)

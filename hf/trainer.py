@@ -44,6 +44,7 @@ from outcore.runtime.optimizer import AdamW
 
 log = logging.getLogger(__name__)
 
+MIN_TRANSFORMERS = "5.25"  # the oldest release the Trainer integration is tested against (pyproject's hf extra)
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")  # the Trainer's names for torch's AdamW
 CHECKPOINT_SUBDIR = "outcore"  # checkpoint-N/outcore/: the engine's sharded checkpoint
 T = TypeVar("T", bound=type)
@@ -68,6 +69,9 @@ def refusals(args: Any, kwargs: dict[str, Any]) -> list[str]:
     if any(o is not None for o in kwargs.get("optimizers") or ()) or kwargs.get("optimizer_cls_and_kwargs"):
         out.append("optimizers=/optimizer_cls_and_kwargs=: outcore steps its own AdamW; set learning_rate, "
                    "adam_beta1/2, adam_epsilon, weight_decay and lr_scheduler_type in the arguments instead.")
+    if (getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("use_reentrant"):
+        out.append("gradient_checkpointing_kwargs use_reentrant=True: the engine sees a unit's backward through "
+                   "non-reentrant checkpointing only; leave use_reentrant unset or False.")
     if kwargs.get("model_init") is not None:
         out.append("model_init=: give model= (a path, or a module built under outcore.deferred_init()).")
     return out
@@ -291,6 +295,9 @@ def outcore_trainer(cls: T) -> T:
     the same arguments, plus `outcore_config=outcore.Config(...)`, and `peft_config=` for any of them."""
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise TypeError(f"outcore_trainer takes transformers.Trainer or a subclass of it; got {cls!r}.")
+    if not callable(getattr(transformers.Trainer, "_prepare_for_training", None)):  # where the loop calls out to us
+        raise ImportError(f"outcore's Trainer needs transformers >= {MIN_TRANSFORMERS} (this is "
+                          f"{transformers.__version__}): pip install 'outcore[hf]'.")
     return type(f"Outcore{cls.__name__}", (OutcoreTrainerMixin, cls),  # type: ignore[return-value]
                 {"__module__": __name__, "__qualname__": f"Outcore{cls.__name__}", "__doc__": cls.__doc__})
 
