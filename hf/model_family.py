@@ -64,6 +64,18 @@ class HuggingFaceFamily(ModelFamily):
     def has_adapters(self) -> bool:
         return model_info.is_peft(self.model)
 
+    def read_outside_forward(self) -> list[nn.Module]:
+        """The output head, where the model's forward was replaced on the instance (TRL's fused LM head,
+        Liger's kernels): such a forward projects through the head's weight without calling the head.
+        Said once."""
+        inner = self.inner()
+        head = _declared(inner, "get_output_embeddings")
+        if "forward" not in vars(inner) or not isinstance(head, nn.Module):
+            return []
+        log.info("%s's forward is replaced on the model (a fused LM head): its output head stays in the root unit",
+                 type(inner).__name__)
+        return [head]
+
     def check(self) -> None:
         adapter_init.check_adapter_inits(self.model)
         _refuse_parameter_adapters(self.model)

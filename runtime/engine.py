@@ -117,7 +117,7 @@ class Engine:
 
         self.family = family_of(model)  # what the engine asks of the model beyond nn.Module
         self.family.check()
-        plans = plan_units(model, config.unit_classes)
+        plans = plan_units(model, config.unit_classes, in_root=self.family.read_outside_forward())
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
         pretrained = PretrainedWeights(os.fspath(weights), self.family) if weights is not None else None

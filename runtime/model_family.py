@@ -93,6 +93,11 @@ class ModelFamily:
         """Whether the model's trainable parameters are adapters the weight files do not hold."""
         return False
 
+    def read_outside_forward(self) -> list[nn.Module]:
+        """Modules whose parameters the model's code reads outside their own forward: they stay in the
+        root unit, gathered while the root runs, never in a unit of their own."""
+        return []
+
     def check(self) -> None:
         """Refuse, by name and before anything is read or written, what the engine cannot page or
         initialize in this model."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -141,8 +142,10 @@ def _check_dtypes(model: nn.Module) -> None:
                     "not in float64", len(wide), ", ".join(wide[:3]), ", ..." if len(wide) > 3 else "")
 
 
-def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[UnitPlan]:
-    """Units in module order, with the root unit last (index len-1); see [Note: unit ownership]."""
+def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = (),
+               in_root: Collection[nn.Module] = ()) -> list[UnitPlan]:
+    """Units in module order, with the root unit last (index len-1); see [Note: unit ownership].
+    Modules in `in_root` are never units of their own (`ModelFamily.read_outside_forward`)."""
     lazy = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
     if lazy:
         raise ValueError(f"{type(model).__name__} has parameters whose shapes are not known yet (lazy modules: "
@@ -160,7 +163,7 @@ def plan_units(model: nn.Module, unit_classes: tuple[str, ...] = ()) -> list[Uni
         if not blocks:
             log.warning("%s has no list of repeated blocks: it is one unit, gathered whole for every step. Name "
                         "its block classes in Config.unit_classes to page it in parts.", type(model).__name__)
-        outer = _outer_units(model, blocks)
+        outer = [(name, m) for name, m in _outer_units(model, blocks) if m not in in_root]
         outer_names = {name for name, _ in outer}
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
         blocks = sorted(blocks + outer, key=lambda nm: order[nm[0]])

@@ -56,10 +56,14 @@ def test_the_trainer_equals_the_plain_trainer(tmp_path, model_path):
     ours.engine.close()
 
 
-def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_peft(tmp_path, model_path):
+@pytest.mark.parametrize("vocab", [96, 512])
+def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_peft(tmp_path, vocab):
     """Conversational data, loss on the assistant's turns only. The adapters start as plain peft draws them
     after `set_seed(args.seed)`, so every logged loss is equal; the saved adapters load in peft (their base
-    named by an absolute path) and give the plainly trained model's logits."""
+    named by an absolute path) and give the plainly trained model's logits. TRL's fused LM head reads the
+    head's weight outside the head's forward: with a vocabulary of 512 the head is larger than a block,
+    which the engine would otherwise page as a unit of its own."""
+    model_path = model_dir(str(tmp_path / "model"), vocab)
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     data = conversations()
 

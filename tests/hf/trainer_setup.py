@@ -9,7 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
-from hf_models import STORY, VOCAB, save_model, save_tokenizer  # noqa: E402
+from hf_models import STORY, VOCAB, config, save_tokenizer  # noqa: E402
 
 import outcore  # noqa: E402
 
@@ -18,11 +18,15 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {% if m['role'] == 'assist
             "{% if add_generation_prompt %}assistant : {% endif %}")
 
 
-def model_dir(directory: str) -> str:
-    """A tiny Llama saved with save_pretrained, and a word-level tokenizer with a chat template."""
+def model_dir(directory: str, vocab: int = VOCAB) -> str:
+    """A tiny Llama saved with save_pretrained, and a word-level tokenizer with a chat template.
+    With a `vocab` of 512 its head outweighs a block, so that the engine makes it a unit of its own."""
     import transformers
 
-    save_model("llama", directory)
+    c = config("llama")
+    c.vocab_size = vocab
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(c).save_pretrained(directory)
     save_tokenizer(directory, STORY + " user assistant : ")
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     tok.pad_token, tok.chat_template = "</s>", TEMPLATE

@@ -340,7 +340,7 @@ def test_the_base_model_called_on_its_own_trains_as_plain_adamw(tmp_path):
 
 def test_a_transformers_whose_conversion_api_moved_is_said_once_and_names_match_as_they_are(tmp_path, caplog,
                                                                                              monkeypatch):
-    from outcore.runtime import hf_conversion
+    from outcore.hf import conversion as hf_conversion
 
     monkeypatch.setattr(hf_conversion, "_transformers_api", lambda: (lambda model: None, object()))
     directory = save_model("gpt_neox", str(tmp_path / "m"))

@@ -8,12 +8,15 @@ import zipfile
 import pytest
 import torch
 
+from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 
+PLAIN = ModelFamily(torch.nn.Module())  # stored names as they are
+
 
 def _read_all(path):
-    weights = PretrainedWeights(path)
+    weights = PretrainedWeights(path, PLAIN)
     try:
         return {name: weights.read(stored, stored.dtype) for name, stored in weights.tensors.items()}
     finally:
@@ -54,7 +57,7 @@ def test_what_is_not_a_state_dict_of_tensors_is_refused_naming_it(tmp_path, cont
     path = str(tmp_path / "pytorch_model.bin")
     torch.save(content(), path)
     with pytest.raises(ValueError, match="cannot stream: .*" + words) as e:
-        PretrainedWeights(path)
+        PretrainedWeights(path, PLAIN)
     assert "\n" not in str(e.value) and "safetensors" in str(e.value)
 
 
@@ -70,7 +73,7 @@ def test_an_object_the_pickle_names_is_never_built(tmp_path):
     path = str(tmp_path / "pytorch_model.bin")
     torch.save({"w": torch.ones(2), "x": payload}, path)
     with pytest.raises(ValueError, match="pickles posix.mkdir"):
-        PretrainedWeights(path)
+        PretrainedWeights(path, PLAIN)
     assert not os.path.exists(payload.marker)
 
 
@@ -78,7 +81,7 @@ def test_an_old_pickle_or_a_compressed_archive_is_refused_saying_to_resave(tmp_p
     old = str(tmp_path / "old.bin")
     torch.save({"w": torch.ones(2)}, old, _use_new_zipfile_serialization=False)
     with pytest.raises(ValueError, match="not in torch.save's zip format .* save it again as safetensors"):
-        PretrainedWeights(old)
+        PretrainedWeights(old, PLAIN)
     plain = str(tmp_path / "plain.bin")
     torch.save({"w": torch.ones(2)}, plain)
     squeezed = str(tmp_path / "squeezed.bin")
@@ -86,4 +89,4 @@ def test_an_old_pickle_or_a_compressed_archive_is_refused_saying_to_resave(tmp_p
         for name in src.namelist():
             dst.writestr(name, src.read(name))
     with pytest.raises(ValueError, match="is compressed"):
-        PretrainedWeights(squeezed)
+        PretrainedWeights(squeezed, PLAIN)
