@@ -2,7 +2,7 @@
 LoRA and full steps with parameters and optimizer states on NVMe.
 
     python -m outcore.tools.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
-                                             [--budget 256M] [--kinds load,lora,full,plain-lora]
+                                             [--budget 256M] [--kinds load,lora,full,plain-lora,trainer]
                                              [--lora-init pissa] [--dora]
 
 A Llama-shaped model (about 1.5B parameters at the defaults) is built from a config with random
@@ -10,10 +10,15 @@ weights and saved once as bf16 safetensors in D/model (its size is checked again
 first). Each kind then runs in its own process, so that its peak RSS is its own:
 `load` builds the engine (weights streamed into the tiers) and times it; `lora` and `full` run
 `--steps` steps of LoRA (rank 16 on every linear layer) and of full fine-tuning; `plain-lora` is
-transformers + peft with the whole model in RAM, the reference where it fits. After its steps each
+transformers + peft with the whole model in RAM, the reference where it fits; `trainer` is `lora`
+through TRL's SFTTrainer (`outcore_trainer(trl.SFTTrainer)`, the same config, data and adapters),
+to be read against `lora`: what the Trainer integration costs. After its steps each
 LoRA kind writes the model with its adapters merged in, timed, with the peak RSS of that alone:
 `engine.export(dir, merge_adapters=True)`, against peft's `merge_and_unload()` and `save_pretrained`.
 `--checkpoint` turns on the model's own activation checkpointing (non-reentrant) in every kind.
+`--dtype fp32` computes in fp32 (the default, bf16, needs a CPU with native bf16 to be quick).
+`--fused-head` computes the `lora` kind's loss through TRL's fused LM head, as SFTTrainer always does
+(chunked log-probabilities, no full logits): the `lora` run that `trainer` is the same run as.
 `--lora-init` (peft's `init_lora_weights`) and `--dora` set up both LoRA kinds' adapters: under the
 engine they are computed as each unit's weights are read, so `load_s` is their cost. One JSON line
 per kind.
@@ -36,7 +41,7 @@ from outcore.hf.model_info import hf_checkpointing
 from outcore.tools.report import peak_rss
 from outcore.tools.units import parse_size, positive_int
 
-KINDS = ("load", "lora", "full", "plain-lora")
+KINDS = ("load", "lora", "full", "plain-lora", "trainer")
 
 
 def _restart_peak() -> None:
@@ -84,7 +89,7 @@ def make_model(directory: str, layers: int, hidden: int) -> str:
 
 
 def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool,
-        lora_init: str | None = None, dora: bool = False) -> dict:
+        lora_init: str | None = None, dora: bool = False, fused_head: bool = False, dtype: str = "bf16") -> dict:
     merged_dir = os.path.join(os.path.dirname(scratch), "merged")
     import peft
     import transformers
@@ -115,18 +120,24 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
         merge_and_unload = getattr(model, "merge_and_unload")  # noqa: B009 - a method mypy sees as a Tensor
         merged = _merged_export(lambda d: merge_and_unload().save_pretrained(d), merged_dir)
         return {"kind": kind, "load_s": load, "step_s": times, "peak_rss": peak, **merged}
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,
+                            dtype=dtype, grad_clip=1.0, device_budget=budget, host_budget=budget,
+                            sub_group_size=1 << 20,  # the optimizer's HOST window: a few 16 MiB chunks
+                            io=outcore.IOConfig(block_size=8 << 20, threads=4))
+    if kind == "trainer":
+        return _through_trainer(model_dir, x, lora, config, steps, checkpoint)
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with outcore.deferred_init():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     if checkpoint:
         _checkpointing(model)
+    if fused_head:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # what SFTTrainer adds
     if kind == "lora":
         with outcore.deferred_init():  # the adapters too: the engine computes them as it reads the weights
             model = peft.get_peft_model(model, lora)
-    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=scratch,
-                            dtype="bf16", grad_clip=1.0, device_budget=budget, host_budget=budget,
-                            sub_group_size=1 << 20,  # the optimizer's HOST window: a few 16 MiB chunks
-                            io=outcore.IOConfig(block_size=8 << 20, threads=4))
     t0 = time.perf_counter()
     engine = outcore.Engine(model, config, outcore.AdamW(lr=1e-4), weights=model_dir)
     load = time.perf_counter() - t0
@@ -134,7 +145,7 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
     times = []
     for _ in range(steps if kind != "load" else 0):
         t0 = time.perf_counter()
-        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.backward(engine(input_ids=x, labels=x, **({"fused_lm_head": True} if fused_head else {})).loss)
         engine.step()
         engine.synchronize()
         times.append(time.perf_counter() - t0)
@@ -144,6 +155,53 @@ def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkp
     engine.close()
     return {"kind": kind, "load_s": load, "load_peak_rss": load_rss, "step_s": times, "peak_rss": peak,
             "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"], **merged}
+
+
+def _through_trainer(model_dir: str, x: torch.Tensor, lora: Any, config: Any, steps: int, checkpoint: bool) -> dict:
+    """The `lora` kind's run through TRL's SFTTrainer on outcore: the same rows (pre-tokenized, every
+    token trained), the same adapters, config and AdamW settings; each step timed by a callback."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models
+
+    from outcore.hf import outcore_trainer
+
+    class StepTimes(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.times.append(time.perf_counter() - self.t0)
+
+    # The rows are token ids already; the trainer wants a tokenizer only for its pad token.
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2}
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                               pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
+    rows = datasets.Dataset.from_dict({"input_ids": [x[0].tolist()] * steps})
+    run_dir = os.path.join(os.path.dirname(config.nvme_dir), "trainer-run")
+    args = trl.SFTConfig(output_dir=run_dir, max_steps=steps,
+                         per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4,
+                         weight_decay=1e-2, max_grad_norm=1.0, lr_scheduler_type="constant",
+                         bf16=config.dtype == "bf16",
+                         gradient_checkpointing=checkpoint, max_length=x.shape[1], logging_steps=1,
+                         save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0)
+    timer = StepTimes()
+    t0 = time.perf_counter()
+    trainer = outcore_trainer(trl.SFTTrainer)(model=model_dir, args=args, train_dataset=rows, processing_class=tok,
+                                              peft_config=lora, outcore_config=config, callbacks=[timer])
+    load = time.perf_counter() - t0
+    load_rss = peak_rss()
+    trainer.train()
+    s = trainer.engine.stats()
+    peak = peak_rss()
+    trainer.engine.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"kind": "trainer", "load_s": load, "load_peak_rss": load_rss, "step_s": timer.times, "peak_rss": peak,
+            "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--lora-init", help="peft's init_lora_weights for the LoRA kinds (pissa, olora, ...)")
     p.add_argument("--dora", action="store_true", help="DoRA adapters for the LoRA kinds")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the compute dtype (default bf16)")
+    p.add_argument("--fused-head", action="store_true", help="the lora kind's loss through TRL's fused LM head")
     p.add_argument("--_run", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.hidden % 256:
@@ -169,8 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     if args._run:
         scratch = os.path.join(args.dir, "swap")
         print(json.dumps({**run(args._run, model_dir, scratch, args.steps, args.budget, args.checkpoint,
-                                args.lora_init, args.dora),
-                          "checkpoint": args.checkpoint, "lora_init": args.lora_init, "dora": args.dora}))
+                                args.lora_init, args.dora, args.fused_head, args.dtype),
+                          "checkpoint": args.checkpoint, "lora_init": args.lora_init, "dora": args.dora,
+                          "fused_head": args.fused_head, "dtype": args.dtype}))
         return
     t0 = time.perf_counter()
     make_model(args.dir, args.layers, args.hidden)
@@ -180,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     for kind in args.kinds.split(","):
         cmd = [sys.executable, "-m", "outcore.tools.bench_pretrained", "--dir", args.dir, "--steps", str(args.steps),
                "--budget", str(args.budget), "--_run", kind] + (["--checkpoint"] if args.checkpoint else []) + (
-                   ["--lora-init", args.lora_init] if args.lora_init else []) + (["--dora"] if args.dora else [])
+                   ["--lora-init", args.lora_init] if args.lora_init else []) + (["--dora"] if args.dora else []) + (
+                   ["--fused-head"] if args.fused_head else []) + ["--dtype", args.dtype]
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps(
             {"kind": kind, "error": res.stderr.strip().splitlines()[-1:]})

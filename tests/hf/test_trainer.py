@@ -57,6 +57,21 @@ def test_the_trainer_equals_the_plain_trainer(tmp_path, model_path):
 
 
 @pytest.mark.parametrize("vocab", [96, 512])
+def test_bf16_trains_in_the_engine_s_bf16_close_to_the_plain_trainer_s_autocast(tmp_path, model_path):
+    """`bf16=True` is outcore's bf16 (bf16 parameters and compute, fp32 masters and moments), not autocast
+    over fp32 weights: close to the plain trainer, not equal."""
+    data = TokenRows()
+    plain = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(model_path),
+                                 args=trainer_args(str(tmp_path / "plain"), bf16=True), train_dataset=data)
+    plain.train()
+    ours = outcore.hf.Trainer(model=model_path, args=trainer_args(str(tmp_path / "ours"), bf16=True),
+                              train_dataset=data, outcore_config=nvme_config(str(tmp_path / "nvme")))
+    ours.train()
+    assert ours.engine.config.dtype == "bf16"
+    assert_close_rel(logged(ours), logged(plain), rel=2e-3)
+    ours.engine.close()
+
+
 def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_peft(tmp_path, vocab):
     """Conversational data, loss on the assistant's turns only. The adapters start as plain peft draws them
     after `set_seed(args.seed)`, so every logged loss is equal; the saved adapters load in peft (their base
