@@ -1,0 +1,118 @@
+"""`outcore.hf.sft_dataset`: a fine-tuning file as rows of `seq` tokens, packed without cross-talk.
+
+    ds = outcore.hf.sft_dataset("data.jsonl", tokenizer, seq=2048, completion_only=True, packing=True)
+    ds[0]   # {"input_ids": LongTensor[seq], "labels": LongTensor[seq], "position_ids": LongTensor[seq]}
+
+Each row of the file becomes a sample (hf/sft_rows.py: its tokens and which carry the loss).
+Packing (the default) puts samples one after another into rows of `seq` tokens, in file order, a
+sample never split across rows; `position_ids` restart at 0 for each sample, and from them
+transformers masks attention per sample (a packed batch given `position_ids` and no attention
+mask), so no sample sees another. A sample's first label is -100: no token of the sample before it
+predicts it, as none would alone. The summed loss of a packed row is then the sum of its samples'
+losses computed one at a time. The tail of a row that no further sample fits is padding, with
+labels -100. Without packing each sample has a row of its own, padded the same way; a causal
+model's tokens never attend to the padding after them, so no attention mask is needed either way.
+A sample longer than `seq` keeps its first `seq` tokens; how many were cut is counted and said.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from outcore.hf.data_files import read_rows
+from outcore.hf.sft_rows import FORMATS, IGNORE, RowTokenizer, Sample, detect_format
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Counts:
+    samples: int
+    truncated: int  # samples longer than seq, cut to it
+    tokens: int  # in the rows, padding left out
+    trained: int  # tokens that carry the loss
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Rows of `seq` tokens: input_ids, labels and position_ids, each a LongTensor of length `seq`."""
+
+    def __init__(self, rows: list[list[Sample]], seq: int, pad_id: int, fmt: str, counts: Counts) -> None:
+        self.rows, self.seq, self.pad_id, self.format, self.counts = rows, seq, pad_id, fmt, counts
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for sample in self.rows[index]:
+            ids += sample.input_ids
+            labels += [IGNORE, *sample.labels[1:]]  # no token before it predicts its first
+            positions += range(len(sample.input_ids))
+        tail = self.seq - len(ids)
+        ids += [self.pad_id] * tail
+        labels += [IGNORE] * tail
+        start = positions[-1] + 1 if positions else 0  # the tail goes on from the last sample: it attends to
+        positions += range(start, start + tail)  # what is before it, and nothing before attends to it
+        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(positions)}
+
+    def batch(self, batch: int, seq: int, generator: torch.Generator,
+              shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
+        """`batch` rows drawn with `generator` (the same draw on every rank), this rank's part of them
+        for `shard` = (rank, world): what `outcore train` steps on."""
+        assert seq == self.seq, "rows are cut at the dataset's own seq"
+        picks = torch.randint(len(self.rows), (batch,), generator=generator).tolist()
+        rank, world = shard
+        mine = picks[rank * batch // world:(rank + 1) * batch // world]
+        items = [self[i] for i in mine]
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def sft_dataset(path: str, tokenizer: Any, seq: int, *, completion_only: bool = True, packing: bool = True,
+                chat_template: str | None = None) -> SFTDataset:
+    """The rows of `path` (hf/data_files.py), tokenized and labelled as SFT tools do, packed or padded."""
+    return dataset_of(read_rows(path), path, tokenizer, seq, completion_only=completion_only, packing=packing,
+                      chat_template=chat_template)
+
+
+def dataset_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_only: bool = True,
+               packing: bool = True, chat_template: str | None = None) -> SFTDataset:
+    """`sft_dataset` of rows already read (a split of them, for a held-out part)."""
+    if seq < 2:
+        raise ValueError(f"seq={seq}: rows need at least 2 tokens.")
+    fmt = detect_format(rows, path)
+    tokens = RowTokenizer(tokenizer, fmt, path, completion_only=completion_only, chat_template=chat_template)
+    samples, truncated = [], 0
+    for where, row in rows:
+        s = tokens.sample(where, row)
+        if len(s.input_ids) > seq:
+            truncated += 1
+            s = Sample(s.input_ids[:seq], s.labels[:seq])
+        samples.append(s)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    packed = _pack(samples, seq) if packing else [[s] for s in samples]
+    counts = Counts(len(samples), truncated, sum(len(s.input_ids) for s in samples),
+                    sum(label != IGNORE for s in samples for label in s.labels[1:]))
+    log.info("%s: %d %s, %s; %d of %d tokens (%.0f%%) carry the loss%s", path, len(samples), FORMATS[fmt][1],
+             f"packed into {len(packed)} rows of {seq}" if packing else f"one per row of {seq}", counts.trained,
+             counts.tokens, 100 * counts.trained / max(counts.tokens, 1),
+             f"; {truncated} longer than {seq} tokens were cut to it" if truncated else "")
+    return SFTDataset(packed, seq, pad if pad is not None else 0, fmt, counts)
+
+
+def _pack(samples: list[Sample], seq: int) -> list[list[Sample]]:
+    """Samples in order into rows of at most `seq` tokens, a new row where the next one does not fit."""
+    rows: list[list[Sample]] = []
+    used = seq
+    for s in samples:
+        if used + len(s.input_ids) > seq:
+            rows.append([])
+            used = 0
+        rows[-1].append(s)
+        used += len(s.input_ids)
+    return rows
