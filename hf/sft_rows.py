@@ -121,7 +121,8 @@ class RowTokenizer:
             prompt, completion = _string(row, "prompt", self.path, where), _string(row, "completion", self.path, where)
             return prompt + completion, [(len(prompt), len(prompt) + len(completion))], False
         if self.fmt == "alpaca":
-            instruction, output = _string(row, "instruction", self.path, where), _string(row, "output", self.path, where)
+            instruction = _string(row, "instruction", self.path, where)
+            output = _string(row, "output", self.path, where)
             context = row.get("input") or ""
             if not isinstance(context, str):
                 raise ValueError(f"{self.path!r} {where}: \"input\" is a {type(context).__name__}, not a string.")
@@ -182,8 +183,8 @@ class RowTokenizer:
 def _string(row: dict[str, Any], field: str, path: str, where: str) -> str:
     value = row.get(field)
     if not isinstance(value, str):
-        raise ValueError(f"{path!r} {where}: \"{field}\" is {'missing' if value is None else 'a ' + type(value).__name__},"
-                         " not a string.")
+        what = "missing" if value is None else f"a {type(value).__name__}"
+        raise ValueError(f"{path!r} {where}: \"{field}\" is {what}, not a string.")
     return value
 
 

@@ -31,7 +31,8 @@ def bos_tokenizer(directory: str):
 
     t = Tokenizer(models.WordLevel(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
-    t.train_from_iterator([STORY + " user assistant :"], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    special = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+    t.train_from_iterator([STORY + " user assistant :"], special)
     t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", t.token_to_id("<s>"))])
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                                pad_token="</s>")
