@@ -12,7 +12,8 @@ predicts it, as none would alone. The summed loss of a packed row is then the su
 losses computed one at a time. The tail of a row that no further sample fits is padding, with
 labels -100. Without packing each sample has a row of its own, padded the same way; a causal
 model's tokens never attend to the padding after them, so no attention mask is needed either way.
-A sample longer than `seq` keeps its first `seq` tokens; how many were cut is counted and said.
+A sample longer than `seq` keeps its first `seq` tokens; how many were cut is counted and said (a
+text row goes on in pieces instead: `samples_of`).
 """
 
 from __future__ import annotations
@@ -82,7 +83,17 @@ def sft_dataset(path: str, tokenizer: Any, seq: int, *, completion_only: bool = 
 
 def dataset_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_only: bool = True,
                packing: bool = True, chat_template: str | None = None) -> SFTDataset:
-    """`sft_dataset` of rows already read (a split of them, for a held-out part)."""
+    """`sft_dataset` of rows already read."""
+    samples, fmt, truncated = samples_of(rows, path, tokenizer, seq, completion_only=completion_only,
+                                         chat_template=chat_template)
+    return packed(samples, seq, tokenizer, fmt, path, packing=packing, truncated=truncated)
+
+
+def samples_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_only: bool = True,
+               chat_template: str | None = None) -> tuple[list[Sample], str, int]:
+    """The rows' samples, none longer than `seq`, their format, and how many were cut. A text row
+    longer than `seq` (a whole `.txt` file is one) goes on in pieces of `seq` tokens, each a sample
+    of its own, so none of it is lost; a longer row of any other format keeps its first `seq` tokens."""
     if seq < 2:
         raise ValueError(f"seq={seq}: rows need at least 2 tokens.")
     fmt = detect_format(rows, path)
@@ -90,19 +101,43 @@ def dataset_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_on
     samples, truncated = [], 0
     for where, row in rows:
         s = tokens.sample(where, row)
-        if len(s.input_ids) > seq:
+        if len(s.input_ids) <= seq:
+            samples.append(s)
+        elif fmt == "text":
+            samples += [Sample(s.input_ids[i:i + seq], s.labels[i:i + seq]) for i in range(0, len(s.input_ids), seq)
+                        if len(s.input_ids) - i >= 2]
+        else:
             truncated += 1
-            s = Sample(s.input_ids[:seq], s.labels[:seq])
-        samples.append(s)
+            samples.append(Sample(s.input_ids[:seq], s.labels[:seq]))
+    return samples, fmt, truncated
+
+
+def held_out(samples: list[Sample], fraction: float, seed: int, path: str) -> tuple[list[Sample], list[Sample]]:
+    """`samples` split at random (by `seed`) into a training part and a held-out `fraction`, each of
+    at least one sample."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--eval-split {fraction}: give a fraction between 0 and 1, e.g. 0.05.")
+    if len(samples) < 2:
+        raise ValueError(f"--data {path!r} makes {len(samples)} sample(s), too few to hold some out: give more "
+                         "rows, or the held-out rows apart with --eval-data FILE.")
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = min(len(samples) - 1, max(1, round(fraction * len(samples))))
+    held = set(order[:cut])
+    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+
+
+def packed(samples: list[Sample], seq: int, tokenizer: Any, fmt: str, path: str, *, packing: bool = True,
+           truncated: int = 0) -> SFTDataset:
+    """Samples as rows of `seq` tokens, packed (the default) or one per row; said once in the log."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = _pack(samples, seq) if packing else [[s] for s in samples]
+    rows = _pack(samples, seq) if packing else [[s] for s in samples]
     counts = Counts(len(samples), truncated, sum(len(s.input_ids) for s in samples),
                     sum(label != IGNORE for s in samples for label in s.labels[1:]))
-    log.info("%s: %d %s, %s; %d of %d tokens (%.0f%%) carry the loss%s", path, len(samples), FORMATS[fmt][1],
-             f"packed into {len(packed)} rows of {seq}" if packing else f"one per row of {seq}", counts.trained,
-             counts.tokens, 100 * counts.trained / max(counts.tokens, 1),
+    log.info("%s: %d samples of %s, %s; %d of %d tokens (%.0f%%) carry the loss%s", path, len(samples),
+             FORMATS[fmt][1], f"packed into {len(rows)} rows of {seq}" if packing else f"one per row of {seq}",
+             counts.trained, counts.tokens, 100 * counts.trained / max(counts.tokens, 1),
              f"; {truncated} longer than {seq} tokens were cut to it" if truncated else "")
-    return SFTDataset(packed, seq, pad if pad is not None else 0, fmt, counts)
+    return SFTDataset(rows, seq, pad if pad is not None else 0, fmt, counts)
 
 
 def _pack(samples: list[Sample], seq: int) -> list[list[Sample]]:

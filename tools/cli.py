@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.set_defaults(run=_bench_disk)
 
-    t = sub.add_parser("train", help="train a GPT on a text file or the built-in stdlib corpus")
+    t = sub.add_parser("train", help="train a GPT preset on text, or fine-tune a Hugging Face model (fully or with "
+                       "LoRA) on your data as SFT tools do")
     t.add_argument("--preset", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
@@ -120,9 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
-    t.add_argument("--steps", type=positive_int, help="optimizer steps (default 300 for tiny, else 1000)")
-    t.add_argument("--data", help="a UTF-8 text file, or a .jsonl of {\"text\": ...} rows "
-                   "(default: the Python standard library's sources)")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps (default: 300 for tiny, 1000 for the other "
+                   "presets, 100 with --model)")
+    t.add_argument("--data", help="a preset trains on a UTF-8 text file (default: the Python standard library's "
+                   "sources); --model on .jsonl/.json/.parquet/.txt or a save_to_disk directory of text, messages, "
+                   "prompt-completion, Alpaca or ShareGPT rows")
+    t.add_argument("--chat-template", metavar="FILE", help="with --model: a Jinja chat template in place of the "
+                   "tokenizer's own")
+    t.add_argument("--train-on-prompt", action="store_true", help="with --model: every token carries the loss "
+                   "(default: only assistant turns, completions and Alpaca outputs)")
+    t.add_argument("--no-packing", action="store_true", help="with --model: one sample a row, padded (default: "
+                   "samples packed into rows, attention masked per sample)")
+    t.add_argument("--eval-data", metavar="FILE", help="with --model: held-out rows to evaluate on (default: a "
+                   "split of --data)")
+    t.add_argument("--eval-split", type=positive_float, default=0.05, metavar="F",
+                   help="with --model and no --eval-data: the fraction of --data held out (default 0.05)")
     t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
     t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
     t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
@@ -293,7 +306,9 @@ def _train(args: argparse.Namespace) -> int:
                         merge_adapters=args.merge_adapters, lora_alpha=args.lora_alpha,
                         lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
                         config=args.config,
-                        steps=args.steps, data=args.data, out=args.out,
+                        steps=args.steps, data=args.data, chat_template=args.chat_template,
+                        train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
+                        eval_split=args.eval_split, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
                         offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
                         lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,

@@ -30,7 +30,7 @@ from outcore.runtime.policy import DTYPES
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import step_boundaries, stop_if_requested
 from outcore.tools.report import peak_rss
-from outcore.tools.train_job import Data, Job, hf_job, job_loss, preset_job
+from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
 from outcore.tools.units import human_bytes, human_count
 
 log = logging.getLogger("outcore.train")
@@ -51,6 +51,11 @@ class TrainOptions:
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
+    chat_template: str | None = None  # with `model`: a Jinja file in place of the tokenizer's chat template
+    train_on_prompt: bool = False  # with `model`: every token carries the loss, not only the completions
+    packing: bool = True  # with `model`: samples packed into rows (False: one sample a row, padded)
+    eval_data: str | None = None  # with `model`: held-out rows of their own (None: a split of `data`)
+    eval_split: float = 0.05  # with `model` and no `eval_data`: the fraction of `data` held out
     out: str = "outcore-run"
     nvme_dir: str | None = None
     offload_params: str | None = None  # None: chosen from free memory
@@ -235,7 +240,14 @@ def _train(opts: TrainOptions, report) -> dict:
                         ("--dora", opts.dora)):
         if given and opts.lora is None:
             raise ValueError(f"{flag} is a setting of LoRA adapters: give --model DIR and --lora R too.")
-    job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=opts.data, batch=opts.batch,
+    for flag, given in (("--chat-template", opts.chat_template is not None),
+                        ("--train-on-prompt", opts.train_on_prompt), ("--no-packing", not opts.packing),
+                        ("--eval-data", opts.eval_data is not None)):
+        if given and opts.model is None:
+            raise ValueError(f"{flag} is a setting of fine-tuning data: give --model DIR too.")
+    data = DataOptions(opts.data, opts.chat_template, not opts.train_on_prompt, opts.packing, opts.eval_data,
+                       opts.eval_split) if opts.data else None
+    job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=data, batch=opts.batch,
                   seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
                   lora_init=opts.lora_init, dora=opts.dora)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))

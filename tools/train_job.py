@@ -89,14 +89,25 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
                None, f"bytes of {train_set.name}", gpt.layers >= 24)
 
 
-def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, seq: int | None, seed: int,
+@dataclass(frozen=True)
+class DataOptions:
+    """How `--data` becomes what a fine-tune trains on (hf/sft_dataset.py)."""
+
+    path: str
+    chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
+    completion_only: bool = True  # False: every token carries the loss (--train-on-prompt)
+    packing: bool = True
+    eval_data: str | None = None  # held-out rows of their own; else a split of --data
+    eval_split: float = 0.05
+
+
+def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch: int, seq: int | None, seed: int,
            merge: bool = False, lora_alpha: int | None = None, lora_targets: tuple[str, ...] | None = None,
            lora_init: str | None = None, dora: bool = False) -> Job:
-    from outcore.tools.token_corpus import token_corpus
-
     source = HFModel(directory, lora, lora_alpha, lora_targets, lora_init, dora)
     if data is None:
-        raise ValueError("--model DIR fine-tunes on your text: give --data FILE.txt or FILE.jsonl.")
+        raise ValueError("--model DIR fine-tunes on your data: give --data FILE (.jsonl, .json, .parquet, .txt, or "
+                         "a save_to_disk directory).")
     config = source.config()
     positions = getattr(config, "max_position_embeddings", None)
     seq = seq or min(FINE_TUNE_SEQ, positions or FINE_TUNE_SEQ)
@@ -104,9 +115,9 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
         raise ValueError(f"--seq {seq} is longer than the {positions} positions {directory!r} has "
                          f"(max_position_embeddings in its config.json); give --seq {positions} or less.")
     tokenizer = source.tokenizer()
-    train_set, held_out = token_corpus(data, tokenizer, seq)
+    train_set, held_out = fine_tuning_data(data, tokenizer, seq, seed)
     vocab = getattr(config, "vocab_size", None)
-    largest = max(int(train_set.tokens.max()), int(held_out.tokens.max()))
+    largest = max(i for ds in (train_set, held_out) for row in ds.rows for s in row for i in s.input_ids)
     added = isinstance(vocab, int) and tokenizer.vocab_size <= vocab < len(tokenizer)  # added to the model's own
     if isinstance(vocab, int) and added and largest >= vocab:  # and used: the model's vocabulary grows for them
         log.warning("the tokenizer in %s has %d tokens and the model %d, and --data uses the added ones: the model's "
@@ -122,11 +133,10 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
     params = sum(s.numel for p in plans for s in p.slots)
     trainable = sum(s.numel for p in plans for s in p.slots if not s.frozen)
 
-    def inputs(ids, device):
-        ids = ids.to(device)
-        # Training keeps no key/value cache: asked for one, transformers turns it off under
-        # activation checkpointing with a warning.
-        return {"input_ids": ids, "labels": ids, "use_cache": False}
+    def inputs(rows, device):
+        # Packed rows: transformers masks attention per sample from position_ids, with no key/value
+        # cache (training keeps none; asked for one, it turns it off under checkpointing, warning).
+        return {**{k: v.to(device) for k, v in rows.items()}, "use_cache": False}
 
     def export(engine, out: str) -> str:
         """OUT/adapters for LoRA; OUT/model, with the tokenizer, for a full fine-tune or LoRA merged."""
@@ -147,7 +157,34 @@ def hf_job(directory: str, *, lora: int | None, data: str | None, batch: int, se
         return built.pop() if built else source.build()
 
     name = os.path.basename(os.path.normpath(directory)) + (f" + LoRA r={lora}" if lora else "")
+    c = train_set.counts
+    tokens = (f"tokens of {data.path} ({c.samples} samples, {len(train_set)} rows; "
+              f"{100 * c.trained / max(c.tokens, 1):.0f}% of tokens carry the loss)")
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
-               f"tokens of {train_set.name}", True)  # activations are most of a fine-tune's memory
+               tokens, True)  # activations are most of a fine-tune's memory
+
+
+def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any]:
+    """The training rows and the held-out rows, labelled and packed alike (hf/sft_dataset.py)."""
+    from outcore.hf.data_files import read_rows
+    from outcore.hf.sft_dataset import held_out, packed, samples_of
+
+    template = None
+    if data.chat_template is not None:
+        try:
+            with open(data.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template {data.chat_template!r}: {e.strerror}.") from e
+    kw: dict[str, Any] = {"completion_only": data.completion_only, "chat_template": template}
+    samples, fmt, cut = samples_of(read_rows(data.path), data.path, tokenizer, seq, **kw)
+    if data.eval_data is not None:
+        evals, eval_fmt, eval_cut = samples_of(read_rows(data.eval_data), data.eval_data, tokenizer, seq, **kw)
+        eval_name = data.eval_data
+    else:
+        samples, evals = held_out(samples, data.eval_split, seed, data.path)
+        eval_fmt, eval_cut, eval_name = fmt, 0, f"{data.path} (held out)"
+    return (packed(samples, seq, tokenizer, fmt, data.path, packing=data.packing, truncated=cut),
+            packed(evals, seq, tokenizer, eval_fmt, eval_name, packing=data.packing, truncated=eval_cut))

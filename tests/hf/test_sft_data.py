@@ -129,9 +129,14 @@ def test_without_packing_each_sample_has_its_own_padded_row(tok):
     assert row["position_ids"].tolist() == list(range(64))
 
 
-def test_a_sample_longer_than_seq_is_cut_and_counted(tok):
-    ds = dataset_of(rows({"text": " ".join(["the"] * 40)}, {"text": "the fox"}), "t.jsonl", tok, 16)
-    assert ds.counts.truncated == 1 and all(len(s.input_ids) <= 16 for r in ds.rows for s in r)
+def test_a_sample_longer_than_seq_is_cut_and_counted_and_a_long_text_goes_on_in_pieces(tok):
+    long = " ".join(["the"] * 40)
+    cut = dataset_of(rows({"prompt": long, "completion": "fox"}, {"prompt": "the ", "completion": "fox"}), "p.jsonl",
+                     tok, 16)
+    assert cut.counts.truncated == 1 and all(len(s.input_ids) <= 16 for r in cut.rows for s in r)
+    text = dataset_of(rows({"text": long}), "t.jsonl", tok, 16)
+    pieces = [s for r in text.rows for s in r]
+    assert text.counts.truncated == 0 and [len(s.input_ids) for s in pieces] == [16, 16, 9]  # 40 words and EOS
 
 
 @pytest.mark.parametrize("items, where", [

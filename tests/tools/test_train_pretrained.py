@@ -83,24 +83,21 @@ CHAT = {"messages": [{"role": "user", "content": "the quick brown fox"},
 TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
 
 
-def test_conversations_are_rendered_by_the_models_chat_template_and_train(tmp_path, model_dir):
-    from transformers import AutoTokenizer
-
-    from outcore.tools.token_corpus import token_corpus
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(model_dir)
-    rows = [CHAT, {"text": STORY}] * 30  # conversations and plain texts may mix
+def test_conversations_train_on_their_assistant_turns_and_a_mixed_file_is_refused_naming_its_line(tmp_path, model_dir,
+                                                                                                 capsys):
+    template = tmp_path / "chat.jinja"  # --chat-template: the tokenizer in model_dir has none
+    template.write_text(TEMPLATE)
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train_part, held_out = token_corpus(str(path), AutoTokenizer.from_pretrained(model_dir), 16)
-    expected = []
-    for row in rows:
-        text = tokenizer.apply_chat_template(row["messages"], tokenize=False) if "messages" in row else row["text"]
-        expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert torch.cat([train_part.tokens, held_out.tokens]).tolist() == expected
-    assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2")) == 0
+    path.write_text("".join(json.dumps(CHAT) + "\n" for _ in range(30)))
+    assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2", "--chat-template", str(template))) == 0
+    out = capsys.readouterr().out
+    assert "30 samples" not in out and "% of tokens carry the loss" in out  # 28 train, 2 held out
+    assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2")) == 2
+    assert "no chat template" in capsys.readouterr().err
+    path.write_text(json.dumps(CHAT) + "\n" + json.dumps({"text": STORY}) + "\n")
+    assert main(train_args(tmp_path, model_dir, str(path), "--steps", "2", "--chat-template", str(template))) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "one format" in err and len(err.strip().splitlines()) == 1
 
 
 def test_lora_alpha_and_targets_are_peft_s_and_the_count_of_what_trains_is_too(tmp_path, model_dir, jsonl):
@@ -264,9 +261,10 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
     ("unknown-lora-target", "--lora-targets q_proj,nope: no module of"),
     ("init-without-lora", "--lora-init is a setting of LoRA adapters"),
     ("unknown-lora-init", "argument --lora-init: 'svd' is not one of gaussian, pissa, pissa_niter_N, olora"),
-    ("chat-without-template", "line 1: the conversation cannot be rendered: the model's tokenizer has no chat"),
+    ("chat-without-template", "holds conversational rows (messages), and the tokenizer has no chat template"),
     ("chat-on-a-preset", "line 1 is a conversation (\"messages\"): conversations are rendered by a model's chat"),
-    ("chat-malformed", "line 2 has neither a \"text\" string nor a \"messages\" list"),
+    ("chat-malformed", "line 2 is a messages row, but line 1 is a text row: a file holds rows of one format"),
+    ("chat-missing-field", "line 2 has the fields ['prompt'], which are none of the formats"),
     ("seq-beyond-positions", "--seq 128 is longer than the 64 positions"),
     ("foreign-tokenizer", "but the model's vocabulary is 5 tokens (vocab_size in its config.json)"),
 ])
@@ -306,7 +304,8 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     elif damage == "unknown-lora-init":
         args += ["--lora", "4", "--lora-init", "svd"]
     elif damage.startswith("chat"):
-        rows = [{"text": STORY}, {"messages": [{"role": "user"}]}] if damage == "chat-malformed" else [CHAT]
+        rows = {"chat-malformed": [{"text": STORY}, {"messages": [{"role": "user"}]}],
+                "chat-missing-field": [{"prompt": "the", "completion": "fox"}, {"prompt": "the"}]}.get(damage, [CHAT])
         with open(jsonl, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         if damage == "chat-on-a-preset":
