@@ -1,5 +1,6 @@
 """outcore's Hugging Face wing: what the engine needs to know of transformers and peft models
-(runtime/model_family.py asks, hf/model_family.py answers), and the Trainer integration.
+(runtime/model_family.py asks, hf/model_family.py answers), fine-tuning data as SFT tools read it
+(`sft_dataset`), and the Trainer integration.
 
     from outcore.hf import outcore_trainer
     SFTTrainer = outcore_trainer(trl.SFTTrainer)
@@ -12,10 +13,12 @@ from typing import TYPE_CHECKING
 from outcore.offload.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
+    from outcore.hf.sft_data import sft_dataset as sft_dataset
     from outcore.hf.trainer import Trainer as Trainer
     from outcore.hf.trainer import outcore_trainer as outcore_trainer
 
 _EXPORTS = {
+    "sft_dataset": "outcore.hf.sft_data",
     "outcore_trainer": "outcore.hf.trainer",
     "Trainer": "outcore.hf.trainer",
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,7 +128,11 @@ class HuggingFaceFamily(ModelFamily):
         model_info.read_generation_config(self.model, directory)
 
     def checkpoint_record(self, state_dict_keys: list[str]) -> dict[str, Any]:
-        return {**model_info.hf_settings(self.model), **merge_record(self.model, state_dict_keys)}
+        """The configs, the adapters' merge, and the directory the model came from (for its tokenizer)."""
+        source = getattr(self.inner(), "name_or_path", None)
+        local = os.path.abspath(source) if isinstance(source, str) and os.path.isdir(source) else None
+        return {**model_info.hf_settings(self.model), **merge_record(self.model, state_dict_keys),
+                "hf_source": local}
 
     def config_writer(self) -> Callable[[str], None] | None:
         return model_info.hf_config_writer(self.inner())

@@ -92,6 +92,8 @@ class HFModel:
         for w in said:
             if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        for config in tuned.peft_config.values():  # as typed, a relative path loads from nowhere else
+            config.base_model_name_or_path = os.path.abspath(self.directory)
         return tuned
 
     def _check_targets(self, model: nn.Module) -> None:
@@ -147,6 +149,7 @@ class HFModel:
                     continue
                 if self.vocab_size is not None:  # the engine fills the new rows: transformers' mean needs weights
                     model.resize_token_embeddings(self.vocab_size, mean_resizing=False)
+                model.name_or_path = os.path.abspath(self.directory)  # where a checkpoint says it came from
                 return model
         what = f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), which"
         if self.causal_only:
@@ -162,3 +165,16 @@ class HFModel:
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--model {self.directory!r}: no tokenizer found in it ({type(e).__name__}); "
                              "save one there with tokenizer.save_pretrained(DIR).") from e
+
+
+def copy_tokenizer(source: str, out: str) -> bool:
+    """The tokenizer (or processor's tokenizer files) saved in `source`, saved again into `out`, as
+    `from_pretrained(out)` loads it; False where `source` holds none."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError):
+        return False
+    tokenizer.save_pretrained(out)
+    return True

@@ -118,7 +118,6 @@ class OutcoreTrainerMixin:
         if isinstance(model, (str, os.PathLike)):
             weights = os.path.abspath(os.fspath(model))  # adapters name their base model by it
             model = HFModel(weights).build()
-            model.name_or_path = weights
         elif not isinstance(model, nn.Module):
             raise ValueError(f"{type(self).__name__}: model= a Hugging Face model directory or a module; got "
                              f"{type(model).__name__}.")

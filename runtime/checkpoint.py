@@ -88,9 +88,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "lr": progress["lr"], "lr_scheduler": progress.get("lr_scheduler"),
                     "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "units": _layout(sm), **sm.updates.counts.state_dict(),
-                    "state_dict_keys": sm.state_dict_keys, "hf_config": progress.get("hf_config"),
-                    "hf_generation_config": progress.get("hf_generation_config"),
-                    "adapter_merge": progress.get("adapter_merge"),
+                    "state_dict_keys": sm.state_dict_keys, **progress.get("model_record", {}),
                     "client_state": client_state, "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:

@@ -390,7 +390,7 @@ class Engine:
         progress = {"step": self.global_step, "lr": self.lr, "lr_scheduler": self.schedule.state_dict(),
                     "loss_scale": self.scaler.state_dict(),
                     "config": self.config.to_dict(), "client_state": client_state,
-                    **self.family.checkpoint_record(self.sharded.state_dict_keys)}
+                    "model_record": self.family.checkpoint_record(self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
 
     @_engine_call

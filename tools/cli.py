@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--no-verify", action="store_true", help="skip the crc32 check of the rank files")
     x.add_argument("--merge-adapters", action="store_true", help="a LoRA run's checkpoint: the model with the "
                    "adapters merged into its weights, under its own names (from_pretrained loads it alone)")
+    x.add_argument("--tokenizer", metavar="DIR", help="a directory export: save the tokenizer of DIR beside it "
+                   "(default: the model directory the run came from, where the checkpoint records one)")
     x.add_argument("--json", metavar="PATH")
     x.set_defaults(run=_export)
 
@@ -406,12 +408,17 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         res = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=not args.no_verify,
-                                max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters)
+                                max_shard_size=args.max_shard_size, merge_adapters=args.merge_adapters,
+                                tokenizer=args.tokenizer)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(f"wrote {res['out']}: {res['tensors']} tensors, {human_bytes(res['bytes'])}, {res['dtype']}, "
           f"step {res['step']} of {res['checkpoint']}; peak working memory one parameter "
           f"({human_bytes(res['largest_parameter_bytes'])} in fp32)")
+    if res["tokenizer_from"]:
+        print(f"with the tokenizer of {res['tokenizer_from']}")
+    elif not res["out"].endswith(".safetensors"):
+        print("without a tokenizer: the checkpoint does not say where the model came from; give --tokenizer DIR")
     write_json(args.json, res)
     return EXIT_OK
 

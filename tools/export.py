@@ -42,7 +42,8 @@ def read_export_meta(folder: str, *, verify: bool = True) -> dict:
 
 
 def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str | None = None,
-                      verify: bool = True, max_shard_size: int = 5_000_000_000, merge_adapters: bool = False) -> dict:
+                      verify: bool = True, max_shard_size: int = 5_000_000_000, merge_adapters: bool = False,
+                      tokenizer: str | None = None) -> dict:
     """Write every parameter and buffer of the checkpoint at `path` into one safetensors file (`out`
     ending in `.safetensors`), or into a Hugging Face directory: shards of at most `max_shard_size`
     bytes, their index, and config.json (with generation_config.json for a model that generates)
@@ -52,6 +53,8 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     `dtype`: of the parameters ("fp32" keeps the masters exact); default the run's compute dtype.
     `merge_adapters`: a LoRA run's base model with the adapters merged in, as meta.json records the
     merge (hf/adapter_merge.py); each merged tensor is computed in `dtype` from its parts.
+    A directory gets the tokenizer too: from `tokenizer`, else from the model directory the run
+    came from, as meta.json records it ("hf_source"); the result says which, or why none.
     The output appears whole or not at all (runtime/export_target.py); other files in an existing
     directory are kept."""
     check_export_path(out)
@@ -114,14 +117,31 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
         except BaseException:
             writer.abort()
             raise
+        tokenizer_from = None
         if not one_file:
             for key, name in (("hf_config", "config.json"), ("hf_generation_config", "generation_config.json")):
                 if meta.get(key):
                     with open(os.path.join(tmp, name), "w") as f:
                         json.dump(meta[key], f, indent=2)
+            tokenizer_from = _tokenizer_into(tmp, tokenizer or meta.get("hf_source"), given=tokenizer is not None)
         size = os.path.getsize(tmp) if one_file else sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
     return {"checkpoint": folder, "out": out, "step": meta["step"], "tensors": len(entries), "dtype": dtype,
-            "bytes": size, "largest_parameter_bytes": largest}
+            "bytes": size, "largest_parameter_bytes": largest, "tokenizer_from": tokenizer_from}
+
+
+def _tokenizer_into(directory: str, source: str | None, *, given: bool) -> str | None:
+    """The tokenizer of `source` saved into `directory`; `source`, or None where there is none."""
+    from outcore.hf.source import copy_tokenizer
+
+    if source is None or not os.path.isdir(source):
+        if given:
+            raise ValueError(f"--tokenizer {source!r}: no such directory.")
+        return None
+    if copy_tokenizer(source, directory):
+        return source
+    if given:
+        raise ValueError(f"--tokenizer {source!r} holds no tokenizer transformers loads.")
+    return None
 
 
 def _has_adapters(meta: dict) -> bool:

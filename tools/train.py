@@ -383,4 +383,7 @@ def _train(opts: TrainOptions, report) -> dict:
            f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")
+    written = [what for what in (f"the model in {exported}" if exported else None,
+                                 f"checkpoints in {ckpt_dir}" if opts.save_final else None) if what]
+    report(f"outcore train: wrote {' and '.join(written)}" if written else "outcore train: wrote nothing (--no-save)")
     return summary

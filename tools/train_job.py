@@ -91,7 +91,7 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
 
 @dataclass(frozen=True)
 class DataOptions:
-    """How `--data` becomes what a fine-tune trains on (hf/sft_dataset.py)."""
+    """How `--data` becomes what a fine-tune trains on (hf/sft_data.py)."""
 
     path: str
     chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
@@ -167,9 +167,9 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
 
 
 def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any]:
-    """The training rows and the held-out rows, labelled and packed alike (hf/sft_dataset.py)."""
+    """The training rows and the held-out rows, labelled and packed alike (hf/sft_data.py)."""
     from outcore.hf.data_files import read_rows
-    from outcore.hf.sft_dataset import held_out, packed, samples_of
+    from outcore.hf.sft_data import held_out, packed, samples_of
 
     template = None
     if data.chat_template is not None:

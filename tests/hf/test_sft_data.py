@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_setup import STORY, TEMPLATE, conversations, model_dir
 
-from outcore.hf.sft_dataset import dataset_of, sft_dataset
+from outcore.hf.sft_data import dataset_of, sft_dataset
 from outcore.hf.sft_rows import IGNORE
 
 transformers = pytest.importorskip("transformers")

@@ -323,3 +323,31 @@ def test_mistakes_exit_2_with_one_line_and_nothing_written(tmp_path, model_dir, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_outputs_say_where_they_are_and_load_from_anywhere(tmp_path, model_dir, jsonl, monkeypatch, capsys):
+    """Adapters name their base model by an absolute path, so they load from another working directory
+    (nothing is looked up on a hub); `outcore export` writes the tokenizer of the model the run came
+    from; the last line of a run names what it wrote where."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(os.path.dirname(model_dir))
+    relative = os.path.basename(model_dir)
+    assert main(train_args(tmp_path, relative, jsonl, "--lora", "4", "--steps", "1")) == 0
+    adapters = json.loads((tmp_path / "summary.json").read_text())["exported"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"outcore train: wrote the model in {adapters} and checkpoints in {tmp_path / 'run' / 'checkpoints'}")
+    config = json.loads(open(os.path.join(adapters, "adapter_config.json")).read())
+    assert config["base_model_name_or_path"] == model_dir
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert type(peft.AutoPeftModelForCausalLM.from_pretrained(adapters)).__name__.startswith("Peft")
+    full = tmp_path / "full"
+    assert main(["train", "--model", model_dir, "--data", jsonl, "--seq", "16", "--batch", "4", "--out", str(full),
+                 "--steps", "1", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(full / "checkpoints"), str(tmp_path / "exported")]) == 0
+    assert f"with the tokenizer of {model_dir}" in capsys.readouterr().out
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "exported")).get_vocab() == AutoTokenizer.from_pretrained(
+        model_dir).get_vocab()
