@@ -95,18 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-disk", help="read/write throughput of a directory per I/O setting")
     b.add_argument("--dir", required=True, help="directory on the disk to measure")
     b.add_argument("--size", type=_size, default=parse_size("4G"), help="file size (default 4G)")
-    b.add_argument("--block-size", type=_sizes, default=_sizes("128K,1M,8M"))
-    b.add_argument("--queue-depth", type=_ints, default=_ints("1,8,32"))
-    b.add_argument("--threads", type=_ints, default=_ints("1,2,4"))
-    b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True)
-    b.add_argument("--backend", type=_words, default=_words("threads,aiofiles"))
+    b.add_argument("--block-size", type=_sizes, default=_sizes("128K,1M,8M"),
+                   help="request sizes to try, comma-separated (default 128K,1M,8M)")
+    b.add_argument("--queue-depth", type=_ints, default=_ints("1,8,32"),
+                   help="requests in flight to try (default 1,8,32)")
+    b.add_argument("--threads", type=_ints, default=_ints("1,2,4"), help="I/O threads to try (default 1,2,4)")
+    b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                   help="O_DIRECT, past the page cache, as the store reads and writes (default on)")
+    b.add_argument("--backend", type=_words, default=_words("threads,aiofiles"),
+                   help="I/O backends to compare (default threads,aiofiles)")
     b.add_argument("--repeats", type=positive_int, default=1, help="interleaved runs per setting; medians reported")
     b.add_argument("--no-fio", action="store_true", help="skip the fio reference even if fio is on PATH")
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.set_defaults(run=_bench_disk)
 
-    t = sub.add_parser("train", help="train a GPT preset on text, or fine-tune a Hugging Face model (fully or with "
-                       "LoRA) on your data as SFT tools do")
+    about = ("train a GPT preset on text, or fine-tune a Hugging Face model (fully or with LoRA) on your data as SFT "
+             "tools do")
+    t = sub.add_parser("train", help=about, description=about[0].upper() + about[1:] + ".")
     t.add_argument("--preset", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
     t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
                    "tokenizer) in place of a preset; needs --data")
@@ -139,27 +144,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
     t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
     t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
-    t.add_argument("--offload-optimizer", choices=OFFLOADS)
+    t.add_argument("--offload-optimizer", choices=OFFLOADS, help="where the fp32 master weights and Adam moments "
+                   "rest (default: the least that fits free memory)")
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
     t.add_argument("--batch", type=positive_int, default=8, help="sequences per micro-batch (default 8)")
     t.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
     t.add_argument("--accumulate", type=positive_int, metavar="K",
                    help="K micro-batches per optimizer step, each unit read once for all K (Engine.train_batch)")
-    t.add_argument("--lr", type=positive_float, help="peak learning rate (default by preset)")
+    t.add_argument("--lr", type=positive_float, help="peak learning rate (default: 2e-3 for tiny, 6e-4 to 1.2e-4 "
+                   "for the larger presets by size, 2e-5 for a full fine-tune with --model, 1e-3 with --lora)")
     t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="global norm clip; 0 turns it off (default 1.0)")
     t.add_argument("--host-budget", type=_size, help="bytes of host memory for the store (default: derived)")
-    t.add_argument("--device-budget", type=_size)
-    t.add_argument("--prefetch-depth", type=non_negative_int)
+    t.add_argument("--device-budget", type=_size, help="bytes of device memory for the store (default: derived; "
+                   "on a CPU-only machine the compute device is the CPU)")
+    t.add_argument("--prefetch-depth", type=non_negative_int, help="units fetched ahead of use (default 2)")
     t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
-    t.add_argument("--eval-batches", type=positive_int, default=4)
+    t.add_argument("--eval-batches", type=positive_int, default=4,
+                   help="held-out batches each validation loss averages (default 4)")
     t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
     t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
-    t.add_argument("--seed", type=int_in(SEEDS), default=0)
+    t.add_argument("--seed", type=int_in(SEEDS), default=0,
+                   help="the model's initialization, the batches drawn and the held-out split (default 0)")
     t.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                    help="how long a collective waits for a stalled rank before every rank stops (default 600)")
     t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")
@@ -173,21 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
                    "linear layer, the rest frozen (no gradient or optimizer state)")
     _lora_targets(e)
-    e.add_argument("--world-size", type=positive_int, default=1)
-    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
-    e.add_argument("--stage", type=int, choices=(1, 2, 3))
-    e.add_argument("--offload-params", choices=OFFLOADS)
-    e.add_argument("--offload-optimizer", choices=OFFLOADS)
-    e.add_argument("--prefetch-depth", type=non_negative_int, default=2)
+    e.add_argument("--world-size", type=positive_int, default=1,
+                   help="data-parallel ranks the states are sharded over (default 1)")
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--stage", type=int, choices=(1, 2, 3), help="one ZeRO stage (default: every stage)")
+    e.add_argument("--offload-params", choices=OFFLOADS, help="one placement of the parameter shards (default: "
+                   "every one the stage allows)")
+    e.add_argument("--offload-optimizer", choices=OFFLOADS, help="one placement of the optimizer states (default: "
+                   "every one)")
+    e.add_argument("--prefetch-depth", type=non_negative_int, default=2, help="units fetched ahead of use (default 2)")
     e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="where compute runs; cpu: DEVICE is RAM too, and the whole prefetch window is on it")
-    e.add_argument("--sub-group-size", type=_sub_group_size, default=1 << 22, help="elements per optimizer chunk")
+                   help="where compute runs (default cuda); cpu: DEVICE is RAM too, and the whole prefetch window is "
+                   "on it")
+    e.add_argument("--sub-group-size", type=_sub_group_size, default=1 << 22,
+                   help="elements per optimizer chunk (default 4M)")
     e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
     e.add_argument("--accumulate", type=positive_int, metavar="K", help="also size the activation keys a "
                    "train_batch of K micro-batches keeps (needs --batch and --seq, and a GPT shape or model directory)")
     e.add_argument("--batch", type=positive_int, default=1, help="with --accumulate: sequences per micro-batch")
     e.add_argument("--seq", type=positive_int, help="with --accumulate: context length (default: the model's)")
-    e.add_argument("--json", metavar="PATH")
+    e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
     e.set_defaults(run=_estimate)
 
     x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file or an HF directory")
@@ -202,15 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapters merged into its weights, under its own names (from_pretrained loads it alone)")
     x.add_argument("--tokenizer", metavar="DIR", help="a directory export: save the tokenizer of DIR beside it "
                    "(default: the model directory the run came from, where the checkpoint records one)")
-    x.add_argument("--json", metavar="PATH")
+    x.add_argument("--json", metavar="PATH", help="also write what was written as JSON")
     x.set_defaults(run=_export)
 
     u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
     u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
     u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model "
-                   "directory (its weights; random token ids) or module:factory")
-    u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up step")
-    u.add_argument("--batch", type=positive_int, default=1)
+                   "directory (its weights; random token ids) or module:factory (default tiny)")
+    u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up "
+                   "step (default 3)")
+    u.add_argument("--batch", type=positive_int, default=1, help="sequences per step (default 1)")
     u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
     u.add_argument("--out", default="tuned.json",
                    help="where the fastest config is written, as .json, .yaml or .toml (default tuned.json)")
@@ -221,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
     u.add_argument("--max-rss", type=_size, help="reject candidates whose peak RSS is above this")
     u.add_argument("--timeout", type=positive_float, default=1800, help="seconds per candidate (default 1800)")
-    u.add_argument("--json", metavar="PATH")
+    u.add_argument("--json", metavar="PATH", help="also write every candidate's figures as JSON")
     u.set_defaults(run=_tune)
     return p
 
