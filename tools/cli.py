@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a CPU-only machine the compute device is the CPU)")
     t.add_argument("--prefetch-depth", type=non_negative_int, help="units fetched ahead of use (default 2)")
     t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
+    t.add_argument("--max-memory", type=_size, metavar="SIZE", help="memory this run may use, checked with the "
+                   "step's activations before it starts (default: what the machine has available)")
+    t.add_argument("--log-every", type=positive_int, default=10, metavar="N",
+                   help="steps per row of OUT/log.jsonl, and per line where the output is not a terminal (default 10)")
+    t.add_argument("--report-to", type=_words, default=(), metavar="TRACKERS",
+                   help="also log to tensorboard (OUT/tensorboard) and/or wandb (offline unless WANDB_MODE says "
+                   "otherwise), comma-separated (default: OUT/log.jsonl alone)")
     t.add_argument("--eval-batches", type=positive_int, default=4,
                    help="held-out batches each validation loss averages (default 4)")
     t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
@@ -200,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
     e.add_argument("--accumulate", type=positive_int, metavar="K", help="also size the activation keys a "
                    "train_batch of K micro-batches keeps (needs --batch and --seq, and a GPT shape or model directory)")
-    e.add_argument("--batch", type=positive_int, default=1, help="with --accumulate: sequences per micro-batch")
-    e.add_argument("--seq", type=positive_int, help="with --accumulate: context length (default: the model's)")
+    e.add_argument("--batch", type=positive_int, help="sequences per micro-batch: sizes the step's "
+                   "activations (and with --accumulate the activation keys) (default 1)")
+    e.add_argument("--seq", type=positive_int, help="context length of the activations sized (default: the "
+                   "model's)")
     e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
     e.set_defaults(run=_estimate)
 
@@ -334,7 +343,8 @@ def _train(args: argparse.Namespace) -> int:
                         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
                         save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
                         checkpoint_activations=args.checkpoint_activations, seed=args.seed,
-                        collective_timeout=args.timeout, accumulate=args.accumulate)
+                        collective_timeout=args.timeout, accumulate=args.accumulate, log_every=args.log_every,
+                        report_to=tuple(args.report_to), max_memory=args.max_memory)
     # Under torchrun every rank runs this; rank 0 speaks and writes the summary, as DeepSpeed and
     # the Hugging Face Trainer log on the main process only. An error is said by each rank it hits.
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -344,6 +354,12 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if main_rank:
         write_json(args.json, summary)
+    stopped = summary["stopped"]
+    if stopped is not None:  # a signal at a step boundary: saved, summarized, said in one line
+        if main_rank:
+            print(f"outcore train: stopped by {stopped['signal']} after step {stopped['after_step']} of "
+                  f"{summary['steps']}; {stopped['resume']}", file=sys.stderr)
+        return stopped["exit_code"]
     return EXIT_OK
 
 
@@ -404,18 +420,42 @@ def _estimate(args: argparse.Namespace) -> int:
         print("With the optimizer on NVMe, host holds the optimizer states of the root and of the large modules "
               "outside the blocks,")
         print("whose updates backward cannot hide: the derived host budget keeps them there.")
+    step_rows = _activation_rows(args, dims)
     activations = None
     if args.accumulate and dims is not None:
         layers, d_model, vocab, context = dims
         seq = args.seq or context
-        activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch, seq=seq,
-                                              micro_batches=args.accumulate, dtype=args.dtype)
-        print(f"train_batch of {args.accumulate} micro-batches of {args.batch} x {seq}: "
+        activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch or 1,
+                                              seq=seq, micro_batches=args.accumulate, dtype=args.dtype)
+        print(f"train_batch of {args.accumulate} micro-batches of {args.batch or 1} x {seq}: "
               f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
               "within the budgets above")
     write_json(args.json, {"model": what, "dtype": args.dtype, "world_size": args.world_size, "units": units,
-                           "rows": rows, "train_batch_activation_bytes": activations})
+                           "rows": rows, "train_batch_activation_bytes": activations,
+                           "activation_rows": step_rows})
     return EXIT_OK
+
+
+def _activation_rows(args: argparse.Namespace, dims: tuple[int, int, int, int] | None) -> dict | None:
+    """`--batch B --seq S`: the step's activations by part, with and without checkpointing, printed."""
+    from outcore.tools.activations import Shape, activation_rows
+
+    if dims is None or (args.batch is None and args.seq is None):
+        return None
+    layers, d_model, vocab, context = dims
+    seq, batch = args.seq or context, args.batch or 1
+    out = {}
+    for checkpointed in (False, True):
+        rows = activation_rows(Shape(layers, d_model, vocab), batch=batch, seq=seq, dtype=args.dtype,
+                               checkpointed=checkpointed)
+        out["checkpointed" if checkpointed else "plain"] = rows
+        print(f"activations of one micro-batch of {batch} x {seq}, "
+              f"{'with' if checkpointed else 'without'} activation checkpointing: {human_bytes(sum(rows.values()))}")
+        for part, size in rows.items():
+            print(f"  {part}: {human_bytes(size)}")
+    print("These are on the compute device besides the budgets (on a CPU, RAM); `outcore train` checks them "
+          "before its first step.")
+    return out
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 `outcore` installs `handle_signals()` for the whole command. Outside a training loop a signal
 stops the command at once with `Interrupted`, which unwinds through every `finally` (stores
 closed, scratch removed). Inside `step_boundaries()` the first signal only asks the loop to stop
-after the step it is in (`stop_if_requested()`); a second one stops at once. Signals that arrive
+after the step it is in (`requested_stop()`, which the loop asks at each step's end, then saves a
+checkpoint and its summary); a second one during the step stops at once. Signals that arrive
 once the way out has begun are ignored, so that it finishes.
 """
 
@@ -68,7 +69,7 @@ def handle_signals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_boundaries() -> Iterator[None]:
-    """Within: a first signal waits for the loop to call `stop_if_requested()`."""
+    """Within: a first signal waits for the loop to call `requested_stop()`."""
     _state.deferring += 1
     try:
         yield
@@ -76,9 +77,11 @@ def step_boundaries() -> Iterator[None]:
         _state.deferring -= 1
 
 
-def stop_if_requested(where: str) -> None:
-    """At a step boundary: raise `Interrupted` if a signal arrived during the step."""
-    if _state.pending is not None:
-        signum, _state.pending = _state.pending, None
-        _state.stopping = True
-        raise Interrupted(signum, where)
+def requested_stop() -> int | None:
+    """At a step boundary: the signal that arrived during the step, or None. Once one has, further
+    signals are ignored, so that the caller's way out (a checkpoint, a summary) is not cut short."""
+    if _state.pending is None:
+        return None
+    signum, _state.pending = _state.pending, None
+    _state.stopping = True
+    return signum

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
+from outcore.tools.activations import preflight
 from outcore.tools.estimate import estimate
-from outcore.tools.interrupts import step_boundaries, stop_if_requested
+from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.report import peak_rss
+from outcore.tools.run_log import RunLog
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
 from outcore.tools.units import human_bytes, human_count
 
@@ -78,6 +81,9 @@ class TrainOptions:
     checkpoint_activations: bool | None = None  # None: on for 24 layers and more
     collective_timeout: float | None = None  # seconds a collective waits for a stalled rank
     accumulate: int | None = None  # micro-batches per step through Engine.train_batch
+    log_every: int = 10  # steps per row of OUT/log.jsonl (and per line when the output is not a terminal)
+    max_memory: int | None = None  # bytes the run may use (None: what the machine has available)
+    report_to: tuple[str, ...] = ()  # trackers besides OUT/log.jsonl: tensorboard, wandb
     overrides: dict = field(default_factory=dict)
 
 
@@ -267,10 +273,16 @@ def _train(opts: TrainOptions, report) -> dict:
 
     ckpt_dir = os.path.join(opts.out, "checkpoints")
     engine = None
+    stopped: tuple[int, int] | None = None  # (the signal, the step the run stopped after)
+    checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
+                     else job.checkpoint_activations)
+    if job.shape is not None:  # a batch whose activations cannot fit is refused before anything starts
+        on_ram = (config.host_budget or 0) + ((config.device_budget or 0) if device.type == "cpu" else 0)
+        preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=config.dtype, checkpointed=checkpointing,
+                  budgets=on_ram, max_memory=opts.max_memory)
+    log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
         model = job.build()
-        checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
-                         else job.checkpoint_activations)
         enable = hf_checkpointing(model)
         if enable is not None:  # a Hugging Face model: its own
             if checkpointing:
@@ -298,6 +310,9 @@ def _train(opts: TrainOptions, report) -> dict:
         before = engine.stats()
         accum = opts.accumulate or config.grad_accumulation
         shard, world = (engine.group.rank, engine.group.world), engine.group.world
+        unlogged: list[float] = []  # losses since the last row of the log
+        log = RunLog(opts.out, report_to=opts.report_to, enabled=engine.group.rank == 0, resume=opts.resume,
+                     config={"model": job.name, "steps": steps, "batch": opts.batch, "seq": job.seq})
         with step_boundaries(), progress(steps - start, "train") as bar:
             for step in range(start, steps):
                 engine.lr = lr_at(step, steps, peak_lr)
@@ -343,18 +358,36 @@ def _train(opts: TrainOptions, report) -> dict:
                 if bar is not None:
                     bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
                     bar.update(1)
+                unlogged.append(loss_value)
+                val = None
                 if evaluating:
                     val = evaluate(engine, job, job.held_out, opts.eval_batches, device)
                     val_history.append((step + 1, val))
                     (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
+                elif bar is None and (step + 1) % opts.log_every == 0:  # a pipe or a file: a line per row
+                    report(line)
+                if evaluating or (step + 1) % opts.log_every == 0 or step + 1 == steps:
+                    log.row(step=step + 1, loss=sum(unlogged) / len(unlogged), lr=result["lr"],
+                            grad_norm=result["grad_norm"], tokens_per_second=step_tokens / dt,
+                            tokens=totals["tokens"], io_wait_seconds=totals["wait"],
+                            bytes={"device": now["device"]["in_use"], "host": now["host"]["in_use"],
+                                   "nvme": now["nvme"]["bytes"]},
+                            **({"eval_loss": val} if val is not None else {}))
+                    unlogged.clear()
                 if saving:
                     engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
-                stop_if_requested(f" after step {step + 1} of {steps}; {_kept(ckpt_dir)}")
-        if opts.save_final and steps > start:
-            engine.save_checkpoint(ckpt_dir, f"step{steps}")
-        exported = job.export(engine, opts.out) if job.export is not None and opts.save_final else None
+                signum = requested_stop()  # SIGINT or SIGTERM during the step: save it, then stop
+                if signum is not None:
+                    stopped = (signum, step + 1)
+                    break
+        last = stopped[1] if stopped is not None else steps
+        if opts.save_final and last > start and not (stopped is not None and saving):
+            engine.save_checkpoint(ckpt_dir, f"step{last}")
+        exported = (job.export(engine, opts.out) if job.export is not None and opts.save_final and stopped is None
+                    else None)
         stats = engine.stats()
     finally:
+        log.close()
         try:
             if engine is not None:
                 engine.close()
@@ -362,7 +395,7 @@ def _train(opts: TrainOptions, report) -> dict:
             if owned_nvme is not None:
                 owned_nvme.remove()
 
-    ran = max(1, steps - start)
+    ran = max(1, len(history))
     summary = {
         "preset": job.name, "params": job.params, "trainable_params": job.trainable, "state_bytes": state_bytes,
         "dtype": config.dtype, "exported": exported,
@@ -375,15 +408,19 @@ def _train(opts: TrainOptions, report) -> dict:
         "tokens_per_second": totals["tokens"] / max(totals["seconds"], 1e-9), "init_seconds": init_seconds,
         "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
+        "stopped": None if stopped is None else {"signal": signal.Signals(stopped[0]).name, "after_step": stopped[1],
+                                                 "exit_code": 128 + stopped[0], "resume": _kept(ckpt_dir)},
     }
+    if stopped is not None:  # the command says it in one line, after writing the summary
+        return summary
     losses = (f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history
               else f" (the checkpoint is at step {start}, and --steps is {steps})")
     val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
+    written = [what for what in (f"the model in {exported}" if exported else None,
+                                 f"checkpoints in {ckpt_dir}" if opts.save_final else None) if what]
     report(f"outcore train: done. {job.name} ({human_count(job.params)} params, {human_bytes(state_bytes)} of "
            f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
            f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
-           f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}")
-    written = [what for what in (f"the model in {exported}" if exported else None,
-                                 f"checkpoints in {ckpt_dir}" if opts.save_final else None) if what]
-    report(f"outcore train: wrote {' and '.join(written)}" if written else "outcore train: wrote nothing (--no-save)")
+           f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}; "
+           + (f"wrote {' and '.join(written)}" if written else "wrote nothing (--no-save)"))
     return summary

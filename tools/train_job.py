@@ -16,6 +16,7 @@ from torch import nn
 from outcore.hf.source import HFModel
 from outcore.runtime.materialize import deferred_init
 from outcore.runtime.units import plan_units
+from outcore.tools.activations import Shape
 from outcore.tools.corpus import VOCAB, batch_generator, file_corpus, stdlib_corpus
 from outcore.tools.model_source import resolve_model, unit_numels
 from outcore.tools.presets import PRESETS
@@ -57,6 +58,7 @@ class Job:
     export: Callable[[Any, str], str] | None  # (engine, run dir) -> what it wrote
     tokens: str  # what a token is, for the report
     checkpoint_activations: bool  # the default
+    shape: Shape | None = None  # a decoder's layers, width and vocabulary: its activations' size
 
 
 def job_loss(engine: Any, job: Job, batch: Any, device: torch.device) -> torch.Tensor:
@@ -86,7 +88,7 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
     return Job(preset, gpt.params, gpt.params, gpt.seq, DEFAULT_STEPS.get(preset, 1000),
                LEARNING_RATES.get(preset, 3e-4), build, {"init_fn": source.init_fn}, unit_numels(source),
                Data(train_set, batch, gpt.seq, seed, "train"), Data(held_out, batch, gpt.seq, seed, "val"), inputs,
-               None, f"bytes of {train_set.name}", gpt.layers >= 24)
+               None, f"bytes of {train_set.name}", gpt.layers >= 24, Shape(gpt.layers, gpt.d_model, gpt.vocab))
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,15 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
-               tokens, True)  # activations are most of a fine-tune's memory
+               tokens, True, _shape(config))  # activations are most of a fine-tune's memory
+
+
+def _shape(config: Any) -> Shape | None:
+    """A Hugging Face decoder's shape, where its config names it the common way."""
+    layers, width, vocab = (getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+    if isinstance(layers, int) and isinstance(width, int) and isinstance(vocab, int):
+        return Shape(layers, width, vocab)
+    return None
 
 
 def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 TRAIN = [sys.executable, "-m", "outcore.tools.cli", "train", "--batch", "1", "--seq", "16", "--eval-every", "1",
          "--eval-batches", "1", "--save-every", "5"]
@@ -37,7 +38,7 @@ def _scratch(tmp_path) -> list[str]:
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 def test_a_signal_stops_cleanly(tmp_path, signum, code, twice):
-    proc = _start(tmp_path, *NVME)
+    proc = _start(tmp_path, *NVME, "--json", str(tmp_path / "summary.json"))
     try:
         _wait_for_step(proc, 7)
         assert len(_scratch(tmp_path)) == 1
@@ -51,13 +52,48 @@ def test_a_signal_stops_cleanly(tmp_path, signum, code, twice):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"outcore train: stopped by {signal.Signals(signum).name}")
-    if not twice:
-        assert "after step" in lines[0] and "--resume" in lines[0]
     assert _scratch(tmp_path) == []
     ckpts = tmp_path / "outcore-run" / "checkpoints"
     tag = (ckpts / "latest").read_text().strip()
     meta = json.loads((ckpts / tag / "meta.json").read_text())
     assert meta["step"] >= 5 and not [n for n in os.listdir(ckpts) if n.endswith(".tmp")]
+    if not twice:  # stopped at a step boundary: that step is saved and summarized, and the line says where
+        assert "after step" in lines[0] and "--resume" in lines[0] and f"outcore-run/checkpoints/{tag}" in lines[0]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["stopped"]["after_step"] == meta["step"] == len(summary["losses"])
+        assert summary["stopped"]["signal"] == signal.Signals(signum).name
+
+
+def test_a_run_stopped_by_ctrl_c_and_resumed_ends_as_the_uninterrupted_run(tmp_path):
+    """SIGINT mid-run saves the step it stopped after (no --save-every needed); --resume continues with
+    the same batches and ends with the weights of a run that was never stopped."""
+    from safetensors.torch import load_file
+
+    steps = ["--steps", "12", "--save-every", "100"]
+    whole = subprocess.run([*TRAIN, *NVME, *steps, "--out", str(tmp_path / "whole")], cwd=tmp_path,
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert whole.returncode == 0, whole.stderr
+    proc = _start(tmp_path, *NVME, "--out", str(tmp_path / "cut"), steps=12)
+    try:
+        _wait_for_step(proc, 4)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    again = subprocess.run([*TRAIN, *NVME, *steps, "--out", str(tmp_path / "cut"), "--resume"], cwd=tmp_path,
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr
+    exported = {}
+    for run in ("whole", "cut"):
+        out = str(tmp_path / f"{run}.safetensors")
+        res = subprocess.run([sys.executable, "-m", "outcore.tools.cli", "export", str(tmp_path / run / "checkpoints"),
+                              out, "--dtype", "fp32"], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        exported[run] = load_file(out)
+    assert exported["whole"].keys() == exported["cut"].keys()
+    for k, v in exported["whole"].items():
+        assert torch.equal(exported["cut"][k], v), k
 
 
 @pytest.mark.parametrize("offload", [NVME, HOST], ids=["nvme", "host"])

@@ -56,7 +56,6 @@ def test_the_trainer_equals_the_plain_trainer(tmp_path, model_path):
     ours.engine.close()
 
 
-@pytest.mark.parametrize("vocab", [96, 512])
 def test_bf16_trains_in_the_engine_s_bf16_close_to_the_plain_trainer_s_autocast(tmp_path, model_path):
     """`bf16=True` is outcore's bf16 (bf16 parameters and compute, fp32 masters and moments), not autocast
     over fp32 weights: close to the plain trainer, not equal."""
@@ -72,6 +71,7 @@ def test_bf16_trains_in_the_engine_s_bf16_close_to_the_plain_trainer_s_autocast(
     ours.engine.close()
 
 
+@pytest.mark.parametrize("vocab", [96, 512])
 def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_peft(tmp_path, vocab):
     """Conversational data, loss on the assistant's turns only. The adapters start as plain peft draws them
     after `set_seed(args.seed)`, so every logged loss is equal; the saved adapters load in peft (their base

@@ -129,11 +129,16 @@ def test_the_merged_export_is_peft_merge_and_unload_bit_for_bit_and_loads_alone(
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(x).logits, unmerged.eval()(x).logits, rtol=0, atol=0)
 
-    # Offline, from a checkpoint (meta.json records the merge): the same files.
+    # Offline, from a checkpoint (meta.json records the merge): the same files, and the tokenizer of the
+    # model directory the run came from, which meta.json records too.
     engine.save_checkpoint(str(tmp_path / "ckpt"), "final")
     engine.close()
-    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "offline"), merge_adapters=True, max_shard_size=40_000)
-    assert files(tmp_path / "offline") == files(out)
+    res = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "offline"), merge_adapters=True,
+                            max_shard_size=40_000)
+    tokenizer = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
+    assert set(files(tmp_path / "offline")) - set(files(out)) <= tokenizer
+    assert set(files(out)) <= set(files(tmp_path / "offline"))
+    assert (res["tokenizer_from"] is not None) == ("tokenizer.json" in files(tmp_path / "offline"))
     for name in files(out):
         if name.endswith(".safetensors"):
             offline = load_file(os.path.join(tmp_path / "offline", name))

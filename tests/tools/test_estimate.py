@@ -158,3 +158,15 @@ def test_every_commands_json_that_cannot_be_written_is_refused_before_its_work(t
     (tmp_path / "taken").mkdir()
     assert main([*command, "--json", "taken"]) == 2
     assert "--json" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_batch_and_seq_print_the_step_s_activations_by_part(capsys, tmp_path):
+    from outcore.tools.activations import Shape, activation_rows
+
+    assert main(["estimate", "--model", "tiny", "--batch", "4", "--seq", "64", "--dtype", "fp32",
+                 "--json", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out
+    assert "activations of one micro-batch of 4 x 64, without activation checkpointing" in out
+    assert "  logits, their fp32 loss and its gradient:" in out and "one block recomputed in backward" in out
+    written = json.loads((tmp_path / "e.json").read_text())["activation_rows"]["plain"]
+    assert written == activation_rows(Shape(4, 128, 256), batch=4, seq=64, dtype="fp32", checkpointed=False)

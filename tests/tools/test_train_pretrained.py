@@ -334,8 +334,8 @@ def test_outputs_say_where_they_are_and_load_from_anywhere(tmp_path, model_dir, 
     relative = os.path.basename(model_dir)
     assert main(train_args(tmp_path, relative, jsonl, "--lora", "4", "--steps", "1")) == 0
     adapters = json.loads((tmp_path / "summary.json").read_text())["exported"]
-    assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        f"outcore train: wrote the model in {adapters} and checkpoints in {tmp_path / 'run' / 'checkpoints'}")
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
+        f"; wrote the model in {adapters} and checkpoints in {tmp_path / 'run' / 'checkpoints'}")
     config = json.loads(open(os.path.join(adapters, "adapter_config.json")).read())
     assert config["base_model_name_or_path"] == model_dir
     (tmp_path / "elsewhere").mkdir()

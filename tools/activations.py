@@ -1,0 +1,90 @@
+"""The memory a training step's activations take, before the first step: what `outcore train`
+checks a batch against (`preflight`), and the rows `outcore estimate --batch B --seq S` prints.
+
+The model is a decoder's, by its shape (layers, width, vocabulary) and the compute dtype:
+- each block keeps about 17 values of its width per token for backward (its input, the attention's
+  q, k, v and output, the MLP's input, its wide hidden layer and activation, the norms' outputs:
+  Korthikanti et al.'s 34 bytes per token and width at 2 bytes a value, with attention scores not
+  kept, as flash and SDPA attention keep none);
+- with activation checkpointing a block keeps only its input, and the one block being recomputed
+  in backward holds its 17 again;
+- the head's logits, their fp32 copy for the loss and its gradient: 3 values of the vocabulary per
+  token (the loss's own log-softmax included), the largest part for a short context.
+The figure errs high on purpose: it decides whether a run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from outcore.runtime.policy import DTYPES
+
+BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
+HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    d_model: int
+    vocab: int
+
+
+def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool) -> dict[str, int]:
+    """Bytes by part, per rank, for one micro-batch of `batch` x `seq` tokens."""
+    tokens, elem = batch * seq, DTYPES[dtype][1]
+    block = tokens * BLOCK_VALUES * shape.d_model * elem
+    rows = {"block inputs kept for backward" if checkpointed else "every block's activations":
+            tokens * shape.layers * shape.d_model * elem if checkpointed else block * shape.layers}
+    if checkpointed:
+        rows["one block recomputed in backward"] = block
+    rows["logits, their fp32 loss and its gradient"] = tokens * HEAD_VALUES * shape.vocab * 4
+    return rows
+
+
+def available_memory(max_memory: int | None = None) -> int:
+    """Bytes this run may take: `max_memory` where given, else what the machine has available now,
+    within the cgroup's limit where there is one."""
+    if max_memory is not None:
+        return max_memory
+    free = psutil.virtual_memory().available
+    limit = _cgroup_room()
+    return min(free, limit) if limit is not None else free
+
+
+def _cgroup_room() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
+def preflight(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool, budgets: int,
+              max_memory: int | None = None) -> dict[str, int]:
+    """The step's activation rows, or a ValueError where they and the store's budgets do not fit in
+    the memory the run may have, naming the largest batch that does and what else would."""
+    rows = activation_rows(shape, batch=batch, seq=seq, dtype=dtype, checkpointed=checkpointed)
+    room = available_memory(max_memory) - budgets
+    need = sum(rows.values())
+    if need <= room:
+        return rows
+    per_row = sum(activation_rows(shape, batch=1, seq=seq, dtype=dtype, checkpointed=checkpointed).values())
+    fits = room // per_row
+    where = f"--max-memory {_gib(max_memory)}" if max_memory is not None else "available memory"
+    advice = (f"give --batch {fits} or less" if fits >= 1 else f"no --batch fits at --seq {seq}: lower --seq")
+    others = [] if checkpointed else ["--checkpoint-activations (each block keeps only its input)"]
+    others.append(f"--accumulate K (K micro-batches of --batch {max(fits, 1)} a step)" if fits >= 1 else
+                  "--offload-params/--offload-optimizer nvme to free the budgets' memory")
+    raise ValueError(f"--batch {batch} x --seq {seq} needs about {_gib(need)} of activations and the store's "
+                     f"budgets {_gib(budgets)}, over the {_gib(room + budgets)} of {where}; {advice}, or use "
+                     + " or ".join(others) + ".")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
