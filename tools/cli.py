@@ -416,6 +416,15 @@ def _estimate(args: argparse.Namespace) -> int:
           "optimizer pipeline);")
     print("activations are the model's and not counted. On a CPU-only machine device and host are both RAM.")
     print("'min' is the smallest budget the engine accepts; between min and the estimate it evicts more.")
+    resident = {(r["stage"], r["offload_optimizer"]): r["device"]["total"] for r in rows
+                if r["offload_params"] == "none"}
+    no_saving = [r for r in rows if r["offload_params"] != "none" and r["device"]["total"]
+                 >= resident.get((r["stage"], r["offload_optimizer"]), r["device"]["total"] + 1)]
+    if no_saving:
+        print(f"Parameters offloaded still pass through the device: the prefetch window ({args.prefetch_depth} units "
+              "ahead), the unit running and its gradient. With")
+        print(f"{len(units)} units that is the whole model, each unit padded to whole pages, so here offloading the "
+              "parameters saves no device memory.")
     if any(o == "nvme" for _, _, o in settings):
         print("With the optimizer on NVMe, host holds the optimizer states of the root and of the large modules "
               "outside the blocks,")

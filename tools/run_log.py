@@ -43,7 +43,7 @@ class RunLog:
             try:
                 import wandb
             except ImportError as e:
-                raise ValueError("--report-to wandb needs the wandb package: pip install wandb.") from e
+                raise ValueError("--report-to wandb needs the wandb package: pip install 'outcore[log]'.") from e
             os.environ.setdefault("WANDB_MODE", "offline")  # no network unless the user asked for it
             self._wandb = wandb.init(dir=out, config=config or {}, resume="allow" if resume else None)
 

@@ -170,3 +170,11 @@ def test_batch_and_seq_print_the_step_s_activations_by_part(capsys, tmp_path):
     assert "  logits, their fp32 loss and its gradient:" in out and "one block recomputed in backward" in out
     written = json.loads((tmp_path / "e.json").read_text())["activation_rows"]["plain"]
     assert written == activation_rows(Shape(4, 128, 256), batch=4, seq=64, dtype="fp32", checkpointed=False)
+
+
+def test_where_offloaded_parameters_save_no_device_memory_the_estimate_says_why(capsys):
+    assert main(["estimate", "--model", "tiny", "--stage", "3", "--dtype", "fp32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "saves no device memory" in out and "prefetch window" in out
+    assert main(["estimate", "--model", "gpt-1b", "--stage", "3", "--offload-params", "nvme"]) == 0
+    assert "saves no device memory" not in capsys.readouterr().out

@@ -41,3 +41,15 @@ def test_an_unknown_tracker_is_refused_in_one_line(tmp_path, capsys):
     assert main([*TINY, "--out", str(tmp_path / "run"), "--report-to", "mlflow"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--report-to mlflow" in err[0]
+
+
+def test_report_to_wandb_logs_offline_without_a_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is outcore's default, not the environment's
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert main([*TINY, "--out", str(out), "--log-every", "2", "--eval-every", "3", "--report-to", "wandb"]) == 0
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    recorded = runs[0].read_bytes()  # the run's records, to sync later: each logged name is in them
+    assert all(name in recorded for name in (b"loss", b"eval_loss", b"tokens_per_second", b"grad_norm"))
