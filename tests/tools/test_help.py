@@ -2,7 +2,7 @@
 
 import argparse
 
-from outcore.tools.cli import build_parser
+from outcore.tools.cli_flags import build_parser
 
 
 def flags():

@@ -1,0 +1,237 @@
+"""The `outcore` command line's flags: every command's parser, the types that read its values, and
+the help that says what each does and its default. `cli.py` dispatches; nothing here runs a command."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
+from outcore.runtime.policy import OFFLOADS
+from outcore.tools.presets import PRESETS
+from outcore.tools.units import (
+    int_in,
+    non_negative_float,
+    non_negative_int,
+    parse_count,
+    parse_list,
+    parse_size,
+    positive_float,
+    positive_int,
+)
+
+T = TypeVar("T")
+EXIT_USAGE = 2
+PRESET_NAMES = [name for name in PRESETS if not name.startswith("bench")]
+
+
+def _typed(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser raising ValueError, whose words reach the user (argparse
+    would print only the parser's name)."""
+    def typed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
+_size, _count = _typed(parse_size), _typed(parse_count)
+_sizes = _typed(lambda text: parse_list(text, parse_size))
+_ints = _typed(lambda text: parse_list(text, int))
+_words = _typed(lambda text: parse_list(text, str.strip))
+
+
+@_typed
+def _sub_group_size(text: str) -> int:
+    value = parse_count(text)
+    if value < MIN_SUB_GROUP_SIZE:
+        raise ValueError(f"{text!r}: an optimizer chunk is at least {MIN_SUB_GROUP_SIZE} elements")
+    return value
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (not the whole usage) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _lora_targets(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora-targets", type=_module_names, metavar="NAMES",
+                        help="with --lora: the modules to adapt, by name, e.g. q_proj,v_proj (default: every "
+                        "linear module)")
+
+
+_module_names = _typed(lambda text: tuple(parse_list(text, str.strip)))
+
+
+def _lora_init_name(text: str) -> str:
+    if text in ("gaussian", "pissa", "olora", "orthogonal") or re.fullmatch(r"pissa_niter_[1-9][0-9]*", text):
+        return text
+    raise ValueError(f"{text!r} is not one of gaussian, pissa, pissa_niter_N, olora, orthogonal")
+
+
+_lora_init = _typed(_lora_init_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+
+    b = sub.add_parser("bench-disk", help="read/write throughput of a directory per I/O setting")
+    b.add_argument("--dir", required=True, help="directory on the disk to measure")
+    b.add_argument("--size", type=_size, default=parse_size("4G"), help="file size (default 4G)")
+    b.add_argument("--block-size", type=_sizes, default=_sizes("128K,1M,8M"),
+                   help="request sizes to try, comma-separated (default 128K,1M,8M)")
+    b.add_argument("--queue-depth", type=_ints, default=_ints("1,8,32"),
+                   help="requests in flight to try (default 1,8,32)")
+    b.add_argument("--threads", type=_ints, default=_ints("1,2,4"), help="I/O threads to try (default 1,2,4)")
+    b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                   help="O_DIRECT, past the page cache, as the store reads and writes (default on)")
+    b.add_argument("--backend", type=_words, default=_words("threads,aiofiles"),
+                   help="I/O backends to compare (default threads,aiofiles)")
+    b.add_argument("--repeats", type=positive_int, default=1, help="interleaved runs per setting; medians reported")
+    b.add_argument("--no-fio", action="store_true", help="skip the fio reference even if fio is on PATH")
+    b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+    about = ("train a GPT preset on text, or fine-tune a Hugging Face model (fully or with LoRA) on your data as SFT "
+             "tools do")
+    t = sub.add_parser("train", help=about, description=about[0].upper() + about[1:] + ".")
+    t.add_argument("--preset", help=f"model size: {', '.join(PRESET_NAMES)} (default tiny)")
+    t.add_argument("--model", metavar="DIR", help="fine-tune the Hugging Face model in DIR (its weights and "
+                   "tokenizer) in place of a preset; needs --data")
+    t.add_argument("--lora", type=positive_int, metavar="R", help="with --model: train LoRA adapters of rank R only")
+    t.add_argument("--lora-alpha", type=positive_int, metavar="A",
+                   help="with --lora: peft's lora_alpha, the adapters' scale A/R (default 2R)")
+    _lora_targets(t)
+    t.add_argument("--lora-init", type=_lora_init, metavar="INIT",
+                   help="with --lora: peft's init_lora_weights, computed as each layer's weights are read: gaussian, "
+                   "pissa, pissa_niter_N, olora or orthogonal (default: A random, B zero)")
+    t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora")
+    t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
+                   "the model with the adapters merged into its weights (from_pretrained loads it alone)")
+    t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps (default: 300 for tiny, 1000 for the other "
+                   "presets, 100 with --model)")
+    t.add_argument("--data", help="a preset trains on a UTF-8 text file (default: the Python standard library's "
+                   "sources); --model on .jsonl/.json/.parquet/.txt or a save_to_disk directory of text, messages, "
+                   "prompt-completion, Alpaca or ShareGPT rows")
+    t.add_argument("--chat-template", metavar="FILE", help="with --model: a Jinja chat template in place of the "
+                   "tokenizer's own")
+    t.add_argument("--train-on-prompt", action="store_true", help="with --model: every token carries the loss "
+                   "(default: only assistant turns, completions and Alpaca outputs)")
+    t.add_argument("--no-packing", action="store_true", help="with --model: one sample a row, padded (default: "
+                   "samples packed into rows, attention masked per sample)")
+    t.add_argument("--eval-data", metavar="FILE", help="with --model: held-out rows to evaluate on (default: a "
+                   "split of --data)")
+    t.add_argument("--eval-split", type=positive_float, default=0.05, metavar="F",
+                   help="with --model and no --eval-data: the fraction of --data held out (default 0.05)")
+    t.add_argument("--out", default="outcore-run", help="run directory: checkpoints/ (default outcore-run)")
+    t.add_argument("--nvme-dir", help="where swap files go (default: a temporary folder under the working dir)")
+    t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
+    t.add_argument("--offload-optimizer", choices=OFFLOADS, help="where the fp32 master weights and Adam moments "
+                   "rest (default: the least that fits free memory)")
+    t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
+    t.add_argument("--batch", type=positive_int, default=8, help="sequences per micro-batch (default 8)")
+    t.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
+    t.add_argument("--accumulate", type=positive_int, metavar="K",
+                   help="K micro-batches per optimizer step, each unit read once for all K (Engine.train_batch)")
+    t.add_argument("--lr", type=positive_float, help="peak learning rate (default: 2e-3 for tiny, 6e-4 to 1.2e-4 "
+                   "for the larger presets by size, 2e-5 for a full fine-tune with --model, 1e-3 with --lora)")
+    t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
+                   help="global norm clip; 0 turns it off (default 1.0)")
+    t.add_argument("--host-budget", type=_size, help="bytes of host memory for the store (default: derived)")
+    t.add_argument("--device-budget", type=_size, help="bytes of device memory for the store (default: derived; "
+                   "on a CPU-only machine the compute device is the CPU)")
+    t.add_argument("--prefetch-depth", type=non_negative_int, help="units fetched ahead of use (default 2)")
+    t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
+    t.add_argument("--max-memory", type=_size, metavar="SIZE", help="memory this run may use, checked with the "
+                   "step's activations before it starts (default: what the machine has available)")
+    t.add_argument("--log-every", type=positive_int, default=10, metavar="N",
+                   help="steps per row of OUT/log.jsonl, and per line where the output is not a terminal (default 10)")
+    t.add_argument("--report-to", type=_words, default=(), metavar="TRACKERS",
+                   help="also log to tensorboard (OUT/tensorboard) and/or wandb (offline unless WANDB_MODE says "
+                   "otherwise), comma-separated (default: OUT/log.jsonl alone)")
+    t.add_argument("--eval-batches", type=positive_int, default=4,
+                   help="held-out batches each validation loss averages (default 4)")
+    t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
+    t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
+    t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
+                   help="recompute blocks in backward (default: on for 24 layers and more)")
+    t.add_argument("--seed", type=int_in(SEEDS), default=0,
+                   help="the model's initialization, the batches drawn and the held-out split (default 0)")
+    t.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+                   help="how long a collective waits for a stalled rank before every rank stops (default 600)")
+    t.add_argument("--json", metavar="PATH", help="also write the run's summary as JSON")
+
+    e = sub.add_parser("estimate", help="per-tier bytes per rank for a model, stage and offload setting")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--params", type=_count, help="parameter count, e.g. 13B (a GPT of that size)")
+    which.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory "
+                       "(sized from its config.json) or module:factory")
+    e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
+                   "linear layer, the rest frozen (no gradient or optimizer state)")
+    _lora_targets(e)
+    e.add_argument("--world-size", type=positive_int, default=1,
+                   help="data-parallel ranks the states are sharded over (default 1)")
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--stage", type=int, choices=(1, 2, 3), help="one ZeRO stage (default: every stage)")
+    e.add_argument("--offload-params", choices=OFFLOADS, help="one placement of the parameter shards (default: "
+                   "every one the stage allows)")
+    e.add_argument("--offload-optimizer", choices=OFFLOADS, help="one placement of the optimizer states (default: "
+                   "every one)")
+    e.add_argument("--prefetch-depth", type=non_negative_int, default=2, help="units fetched ahead of use (default 2)")
+    e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where compute runs (default cuda); cpu: DEVICE is RAM too, and the whole prefetch window is "
+                   "on it")
+    e.add_argument("--sub-group-size", type=_sub_group_size, default=1 << 22,
+                   help="elements per optimizer chunk (default 4M)")
+    e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
+    e.add_argument("--accumulate", type=positive_int, metavar="K", help="also size the activation keys a "
+                   "train_batch of K micro-batches keeps (needs --batch and --seq, and a GPT shape or model directory)")
+    e.add_argument("--batch", type=positive_int, help="sequences per micro-batch: sizes the step's "
+                   "activations (and with --accumulate the activation keys) (default 1)")
+    e.add_argument("--seq", type=positive_int, help="context length of the activations sized (default: the "
+                   "model's)")
+    e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
+
+    x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file or an HF directory")
+    x.add_argument("checkpoint", help="a checkpoint directory (its latest tag is used) or a tag folder")
+    x.add_argument("out", help="the .safetensors file to write, or a directory for the Hugging Face layout")
+    x.add_argument("--max-shard-size", type=_size, default=5_000_000_000,
+                   help="with a directory: bytes per shard at most (default 5G)")
+    x.add_argument("--tag", help="which tag of the checkpoint directory (default: latest)")
+    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype (default: the run's)")
+    x.add_argument("--no-verify", action="store_true", help="skip the crc32 check of the rank files")
+    x.add_argument("--merge-adapters", action="store_true", help="a LoRA run's checkpoint: the model with the "
+                   "adapters merged into its weights, under its own names (from_pretrained loads it alone)")
+    x.add_argument("--tokenizer", metavar="DIR", help="a directory export: save the tokenizer of DIR beside it "
+                   "(default: the model directory the run came from, where the checkpoint records one)")
+    x.add_argument("--json", metavar="PATH", help="also write what was written as JSON")
+
+    u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
+    u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
+    u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model "
+                   "directory (its weights; random token ids) or module:factory (default tiny)")
+    u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up "
+                   "step (default 3)")
+    u.add_argument("--batch", type=positive_int, default=1, help="sequences per step (default 1)")
+    u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
+    u.add_argument("--out", default="tuned.json",
+                   help="where the fastest config is written, as .json, .yaml or .toml (default tuned.json)")
+    u.add_argument("--prefetch-depth", type=_ints, help="values to try (default 1,2,4)")
+    u.add_argument("--block-size", type=_sizes, help="values to try (default 1M,8M)")
+    u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
+    u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
+    u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
+    u.add_argument("--max-rss", type=_size, help="reject candidates whose peak RSS is above this")
+    u.add_argument("--timeout", type=positive_float, default=1800, help="seconds per candidate (default 1800)")
+    u.add_argument("--json", metavar="PATH", help="also write every candidate's figures as JSON")
+    return p
