@@ -130,17 +130,16 @@ class OutcoreTrainerMixin:
                 raise ValueError(f"gradient_checkpointing=True: {type(model).__name__} has no activation "
                                  "checkpointing of its own; leave it False.")
             enable()
-        self._outcore = (outcore_config or Config(), weights)
         self._resume_from: str | None = None
         self._last_stats: dict[str, Any] = {}
         self._pending: list[dict[str, Any]] = []
         super().__init__(model, args, *positional, **kwargs)  # type: ignore[call-arg]
-        config, weights = self._outcore
         decay = set(self.get_decay_parameter_names(self.model))  # type: ignore[attr-defined]
         no_decay = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay)
         hp = AdamW(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                    eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay, no_decay=no_decay)
-        self.engine = Engine(self.model, engine_config(config, self.args), hp, weights=weights, seed=self.args.seed)
+        self.engine = Engine(self.model, engine_config(outcore_config or Config(), self.args), hp, weights=weights,
+                             seed=self.args.seed)
 
     # -- the model stays where the engine puts it ---------------------------------------------------
 

@@ -136,6 +136,8 @@ def read_meta(folder: str) -> dict:
         raise CheckpointCorruptError(meta_path, "it is not UTF-8 text") from e
     except json.JSONDecodeError as e:
         raise CheckpointCorruptError(meta_path, f"it is not valid JSON ({e})") from e
+    except RecursionError as e:  # brackets nested past what the parser follows: no meta.json of ours
+        raise CheckpointCorruptError(meta_path, "it nests deeper than any meta.json outcore writes") from e
     if not isinstance(meta, dict):
         raise CheckpointCorruptError(meta_path, f"it holds a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from outcore.runtime.model_family import ComposedTensor, ModelFamily, NewHead
+from outcore.runtime.safetensors_header import read_header
 from outcore.runtime.safetensors_stream import ST_DTYPES
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
@@ -96,34 +97,14 @@ def _read_header(file: str) -> dict[str, StoredTensor]:
         except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
             raise ValueError(f"{file!r} is a torch.save file outcore cannot stream: {e}; {RESAVE}.") from e
         return {key: StoredTensor(file, key, x.shape, x.dtype, x.begin, x.nbytes) for key, x in extents.items()}
+    if _is_legacy_pickle(file):
+        raise ValueError(f"{file!r} is a pickle, not in torch.save's zip format (torch 1.6 and later); {RESAVE}.")
     try:
-        return _safetensors_header(file)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        if _is_legacy_pickle(file):
-            raise ValueError(f"{file!r} is a pickle, not in torch.save's zip format (torch 1.6 and later); "
-                             f"{RESAVE}.") from e
-        raise ValueError(f"{file!r} is not a readable safetensors file ({e}).") from e
-
-
-def _safetensors_header(file: str) -> dict[str, StoredTensor]:
-    """An 8-byte little-endian length, then JSON giving each tensor's dtype, shape and byte range
-    after the header."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= 100 << 20:
-            raise ValueError(f"a header of {size} bytes")
-        header = json.loads(f.read(size))
-        end = os.fstat(f.fileno()).st_size
-    out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        begin, stop = entry["data_offsets"]
-        if not 0 <= begin <= stop <= end - 8 - size:
-            raise ValueError(f"tensor {key!r} lies past the end of the file")
-        out[key] = StoredTensor(file, key, tuple(entry["shape"]), ST_TO_TORCH.get(entry["dtype"]),
-                                8 + size + begin, stop - begin)
-    return out
+        header = read_header(file)  # every range checked before a byte is used (runtime/safetensors_header.py)
+    except OSError as e:
+        raise ValueError(f"{file!r} is not a readable safetensors file ({e.strerror}).") from e
+    return {key: StoredTensor(file, key, t.shape, ST_TO_TORCH.get(t.dtype), t.begin, t.nbytes)
+            for key, t in header.items()}
 
 
 def _is_legacy_pickle(file: str) -> bool:
