@@ -28,7 +28,10 @@ class NoCheckpointError(ValueError):
 
 
 def is_tag(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+    """A plain name: no path separator, no leading dot, no whitespace or control character at all
+    (`latest` holds the tag on a line of its own, and a name that changes when read back is another)."""
+    return (bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+            and all(c.isprintable() and not c.isspace() for c in name))
 
 
 def find_checkpoint(directory: str, tag: str | None = None) -> str:

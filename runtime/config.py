@@ -25,6 +25,8 @@ MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
 SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit's seed from it stays in torch's range
 
 
+MAX_PREFETCH_DEPTH = 1024  # units fetched ahead: far past any model, far short of what overflows a buffer count
+
 @dataclass
 class Config:
     """How the engine shards, where states rest, and how it computes (the README's Config table).
@@ -76,8 +78,9 @@ class Config:
             raise ValueError("nvme_dir is required when offload_params or offload_optimizer is 'nvme'.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
-        if self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be >= 0.")
+        if not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be between 0 and {MAX_PREFETCH_DEPTH} "
+                             "units ahead (2 is the default; more than a model's units ahead prefetches nothing more).")
         if self.grad_accumulation < 1:
             raise ValueError(f"grad_accumulation={self.grad_accumulation}: must be >= 1.")
         if self.grad_clip == 0:  # as DeepSpeed's gradient_clipping and transformers' max_grad_norm read it
