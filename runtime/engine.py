@@ -205,6 +205,13 @@ class Engine:
             if torch.is_grad_enabled() and (not self.policy.resident or self.policy.overlapped):
                 refuse_a_second_backward(output)
             return output
+        except BaseException:
+            # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward: the
+            # units it gathered are let go and its half-recorded order dropped, so that a save, an
+            # export or the next step finds the engine as it was before it (SPEC: a failed micro-step).
+            self._reshard_all()
+            self.trace.discard_step()
+            raise
         finally:
             self.phase = Phase.IDLE
             if not torch.is_grad_enabled():  # no backward will come to release the root unit
