@@ -70,6 +70,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     client_state = {} if progress.get("client_state") is None else progress["client_state"]
     _check_client_state(client_state)
     _refuse_a_file_in_the_way(directory)
+    _refuse_what_is_not_ours(directory, tag)
     sm.settle()
     final = os.path.join(directory, tag)
     tmp = os.path.join(directory, f".{tag}.tmp")
@@ -170,6 +171,36 @@ def _check_client_state(state: Any) -> None:
                          "there, and save tensors or other objects yourself.") from None
 
 
+def _refuse_what_is_not_ours(directory: str, tag: str) -> None:
+    """A save replaces only what outcore wrote: the tag's folder if it is a checkpoint (it holds a
+    meta.json), and the leftovers of a save that died (`.<tag>.tmp`, `.<tag>.old`, `.latest.tmp`,
+    holding rank files and meta.json only). Anything else under those names is the user's: refused,
+    before a byte is written, and left as it is."""
+    final = os.path.join(directory, tag)
+    if os.path.lexists(final) and not (_real_dir(final) and os.path.isfile(os.path.join(final, "meta.json"))):
+        raise ValueError(f"{final!r} exists and is not an outcore checkpoint (it has no meta.json): outcore replaces "
+                         "only checkpoints it wrote. Save under another tag, or move it away.")
+    for name in (f".{tag}.tmp", f".{tag}.old"):
+        path = os.path.join(directory, name)
+        if os.path.lexists(path) and not (_real_dir(path) and all(_leftover(path, f) for f in os.listdir(path))):
+            raise ValueError(f"{path!r} holds what outcore did not write there; move it away, and save again.")
+    latest_tmp = os.path.join(directory, ".latest.tmp")
+    if os.path.lexists(latest_tmp) and (os.path.islink(latest_tmp) or not os.path.isfile(latest_tmp)):
+        raise ValueError(f"{latest_tmp!r} is a link or not a file: outcore writes `latest` through that name and "
+                         "follows no link it finds there. Remove it, and save again.")
+
+
+def _real_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+def _leftover(folder: str, name: str) -> bool:
+    """A file a save writes into its folder: a rank file or meta.json, a plain file."""
+    path = os.path.join(folder, name)
+    return (name == "meta.json" or (name.startswith("rank") and name.endswith(".safetensors"))) and \
+        os.path.isfile(path) and not os.path.islink(path)
+
+
 def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
     """Rank 0: meta.json into the finished folder, the folder into place, then `latest`. A tag saved
     before is moved aside to `.<tag>.old` first, and back should the move of the new one fail; a
@@ -193,7 +224,9 @@ def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
     latest_tmp = os.path.join(directory, ".latest.tmp")
     try:
-        with open(latest_tmp, "w") as f:
+        _unlink(latest_tmp)  # a plain file a save that died left (checked above: no link)
+        fd = os.open(latest_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
             f.write(tag + "\n")
             f.flush()
             os.fsync(f.fileno())
