@@ -138,13 +138,9 @@ class HuggingFaceFamily(ModelFamily):
         return model_info.hf_config_writer(self.inner())
 
     def adapter_merge(self, state_dict_keys: list[str]) -> TensorMerge:
-        if not self.has_adapters():
-            return super().adapter_merge(state_dict_keys)
         return adapter_merge(self.model, state_dict_keys)
 
     def adapter_tensors(self, adapters: dict[str, torch.Tensor]) -> AdapterFiles:
-        if not self.has_adapters():
-            return super().adapter_tensors(adapters)
         from outcore.hf.adapter_export import peft_adapter_tensors
 
         return peft_adapter_tensors(self.model, adapters)

@@ -92,8 +92,6 @@ class HFModel:
         for w in said:
             if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        for config in tuned.peft_config.values():  # as typed, a relative path loads from nowhere else
-            config.base_model_name_or_path = os.path.abspath(self.directory)
         return tuned
 
     def _check_targets(self, model: nn.Module) -> None:
@@ -149,7 +147,9 @@ class HFModel:
                     continue
                 if self.vocab_size is not None:  # the engine fills the new rows: transformers' mean needs weights
                     model.resize_token_embeddings(self.vocab_size, mean_resizing=False)
-                model.name_or_path = os.path.abspath(self.directory)  # where a checkpoint says it came from
+                # Absolute: where a checkpoint says the model came from, and the base peft's adapters name
+                # (get_peft_model copies it), so they load from any working directory.
+                model.name_or_path = os.path.abspath(self.directory)
                 return model
         what = f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), which"
         if self.causal_only:

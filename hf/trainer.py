@@ -53,7 +53,8 @@ T = TypeVar("T", bound=type)
 def refusals(args: Any, kwargs: dict[str, Any]) -> list[str]:
     """The trainer arguments outcore cannot honour, each as the sentence that says so."""
     out = []
-    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)))
+    optim = getattr(args, "optim", None)
+    optim = str(getattr(optim, "value", optim))  # an OptimizerNames member, or a string
     if args is not None and optim not in ADAMW_NAMES:
         out.append(f"optim={optim!r}: outcore steps its own AdamW over the sharded states; leave optim at "
                    f"{ADAMW_NAMES[0]!r} (AdamW's betas, eps and weight decay are honoured).")
@@ -116,14 +117,14 @@ class OutcoreTrainerMixin:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
         weights = None
         if isinstance(model, (str, os.PathLike)):
-            weights = os.path.abspath(os.fspath(model))  # adapters name their base model by it
+            weights = os.path.abspath(os.fspath(model))
             model = HFModel(weights).build()
         elif not isinstance(model, nn.Module):
             raise ValueError(f"{type(self).__name__}: model= a Hugging Face model directory or a module; got "
                              f"{type(model).__name__}.")
         peft_config = kwargs.pop("peft_config", None)
         if peft_config is not None:
-            model = _with_adapters(model, peft_config, args, weights)
+            model = _with_adapters(model, peft_config, args)
         if args is not None and args.gradient_checkpointing:
             enable = hf_checkpointing(model)
             if enable is None:
@@ -269,7 +270,7 @@ class OutcoreTrainerMixin:
         self.engine.load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR))
 
 
-def _with_adapters(model: nn.Module, peft_config: Any, args: Any, weights: str | None) -> nn.Module:
+def _with_adapters(model: nn.Module, peft_config: Any, args: Any) -> nn.Module:
     """`model` wrapped by peft as `SFTTrainer` wraps it: after `set_seed(args.seed)`, its adapters
     drawn from the RNG as peft draws them; those that are computed from the base weights
     (PiSSA, OLoRA, DoRA's magnitude) are left to the engine, which reads the weights."""
@@ -279,11 +280,8 @@ def _with_adapters(model: nn.Module, peft_config: Any, args: Any, weights: str |
         raise ValueError("peft_config= with a model peft already wraps: give one of them.")
     transformers.set_seed(args.seed if args is not None else 42)
     before = torch.get_rng_state()
-    wrapped = peft.get_peft_model(model, peft_config)
+    wrapped = peft.get_peft_model(model, peft_config)  # its adapters name the base by model.name_or_path
     draw_as_peft(wrapped, before)
-    if weights is not None:
-        for config in wrapped.peft_config.values():
-            config.base_model_name_or_path = weights
     return wrapped
 
 

@@ -200,21 +200,22 @@ class Engine:
         if torch.is_grad_enabled():
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
         self.phase = Phase.FORWARD
+        failed = False
         try:
             output = self.model(*args, **kwargs)
             if torch.is_grad_enabled() and (not self.policy.resident or self.policy.overlapped):
                 refuse_a_second_backward(output)
             return output
         except BaseException:
-            # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward: the
-            # units it gathered are let go and its half-recorded order dropped, so that a save, an
-            # export or the next step finds the engine as it was before it (SPEC: a failed micro-step).
-            self._reshard_all()
-            self.trace.discard_step()
+            # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward, no
+            # more than one under no_grad: below, the units it gathered are let go and its
+            # half-recorded order dropped, so that a save, an export or the next step finds the engine
+            # as before it (SPEC: a failed micro-step).
+            failed = True
             raise
         finally:
             self.phase = Phase.IDLE
-            if not torch.is_grad_enabled():  # no backward will come to release the root unit
+            if failed or not torch.is_grad_enabled():  # no backward will come to release the units
                 self._reshard_all()
                 self.trace.discard_step()
 

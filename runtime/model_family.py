@@ -161,12 +161,14 @@ class ModelFamily:
         return None
 
     def adapter_merge(self, state_dict_keys: list[str]) -> TensorMerge:
-        raise ValueError(f"this {type(self.model).__name__} has no adapters to merge; export it as it is.")
+        """How the adapters merge into the weights they adapt; asked only where `has_adapters()`."""
+        raise AssertionError("a model without adapters has no merge: ask has_adapters() first")
 
     def adapter_tensors(self, adapters: dict[str, torch.Tensor]) -> AdapterFiles:
         """The adapters' tensors as the adapter library saves them, from the trainable parameters'
-        gathered values by state-dict name, and a call that writes its config files."""
-        raise ValueError(f"this {type(self.model).__name__} has no adapters; export it whole (adapters_only=False).")
+        gathered values by state-dict name, and a call that writes its config files; asked only where
+        `has_adapters()`."""
+        raise AssertionError("a model without adapters has none to export: ask has_adapters() first")
 
 
 FamilyFinder = Callable[["nn.Module"], "ModelFamily | None"]
