@@ -81,17 +81,18 @@ def _guarded(what: str, group: Group) -> Iterator[None]:
         if not any(word in str(e).lower() for word in _LOST):
             raise
         waited = f"more than {group.timeout:.0f} s" if group.timeout else "past the process group's timeout"
-        _give_up_group()
+        give_up_group()
         raise RanksLostError(
             f"rank {group.rank}: {what} waited {waited} for the other ranks, or one of them went away: a rank is "
             f"stalled or dead; see its log. If a step of this model legitimately takes longer, raise "
             f"Config.collective_timeout (outcore train --timeout). ({str(e).splitlines()[0][:200]})") from e
 
 
-def _give_up_group() -> None:
-    """After a gloo collective gave up, the group is of no further use, and left alive it made the
-    process abort on its way out (std::terminate from gloo's threads, 3 runs in 8 here): destroy it
-    now. NCCL's watchdog ends the process itself."""
+def give_up_group() -> None:
+    """After a gloo collective gave up, or a backward pass failed partway on this rank (the ranks'
+    collectives then out of step), the group is of no further use; destroyed, it tells the others at
+    once, and left alive it made the process abort on its way out (std::terminate from gloo's
+    threads, 3 runs in 8 here): destroy it now. NCCL's watchdog ends the process itself."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

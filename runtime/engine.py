@@ -35,12 +35,13 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
+from outcore.runtime.backward_watch import BackwardWatch
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
-from outcore.runtime.collectives import Group, init_group, rank_device
+from outcore.runtime.collectives import Group, give_up_group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
-from outcore.runtime.gradient_path import GradientPath
+from outcore.runtime.gradient_path import GradientPath, Undone
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import LearningRate, Schedule, SchedulerFactory
@@ -143,6 +144,7 @@ class Engine:
         self._random_draws = RandomDraws(self.device)
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
         self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
+        self._watch = BackwardWatch()  # whether that backward finished or raised
         self._hooks: list[Any] = []
         self._closed = False
         # Keys the config keeps in memory went to NVMe once the host budget was full: said once.
@@ -201,10 +203,13 @@ class Engine:
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
         self.phase = Phase.FORWARD
         failed = False
+        runs_before = dict(self.gradients.backward_pass.runs)
         try:
             output = self.model(*args, **kwargs)
-            if torch.is_grad_enabled() and (not self.policy.resident or self.policy.overlapped):
-                refuse_a_second_backward(output)
+            if torch.is_grad_enabled():
+                self._watch.arm(output)
+                if not self.policy.resident or self.policy.overlapped:
+                    refuse_a_second_backward(output)
             return output
         except BaseException:
             # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward, no
@@ -218,17 +223,24 @@ class Engine:
             if failed or not torch.is_grad_enabled():  # no backward will come to release the units
                 self._reshard_all()
                 self.trace.discard_step()
+            if failed:
+                self.gradients.forward_failed(runs_before)
 
     @_engine_call
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
+        self.updates.check()
         self._refuse_a_full_window()
         self.phase = Phase.BACKWARD
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except BaseException as error:
+            self._abandon_micro_step(error)
+            raise
         finally:
             self.phase = Phase.IDLE
+        self._watch.forget()
         self._end_micro_step()
 
     def _end_micro_step(self) -> None:
@@ -246,6 +258,9 @@ class Engine:
         ran `loss.backward()` itself: the pass is then the engine's backward, and its micro-step
         ends at the engine's next call (`_end_plain_backward`). Not at the end of autograd's pass:
         a reentrant checkpoint runs a nested pass, whose end is not the end of backward."""
+        if self._plain_backward:
+            self._watch.enter()  # each graph task of the pass: runtime/backward_watch.py
+            return
         if self.phase is Phase.BACKWARD:
             return
         self._refuse_a_full_window()
@@ -254,6 +269,7 @@ class Engine:
                                "engine scales the loss there, and unscaled fp16 gradients would underflow.")
         self.phase = Phase.BACKWARD
         self._plain_backward = True
+        self._watch.enter()
 
     def _refuse_a_full_window(self) -> None:
         """A backward pass beyond the window's `grad_accumulation`, before `step()`: its gradient
@@ -271,10 +287,44 @@ class Engine:
     def _end_plain_backward(self) -> None:
         """The engine is called again after a plain `loss.backward()` (`_engine_call`, `close`): its
         micro-step ends here."""
-        if self._plain_backward:
+        if not self._watch.finished:  # it raised partway (maybe before any unit's hook), and the caller caught it
+            self._abandon_micro_step(None)
+        elif self._plain_backward:
             self._plain_backward = False
             self.phase = Phase.IDLE
             self._end_micro_step()
+
+    def _abandon_micro_step(self, error: BaseException | None) -> None:
+        """A backward pass (or a train_batch) raised: put the engine back as before it, or, where
+        that cannot be done, stop it ([Note: a failed micro-step])."""
+        self.phase = Phase.IDLE
+        self._plain_backward = False
+        self._watch.forget()
+        undone = self.gradients.abandon_pass(self.units)
+        self._reshard_all()
+        self.trace.discard_step()
+        what = f"{type(error).__name__}" if error is not None else "a loss.backward() the caller caught"
+        if self.group.world > 1:
+            give_up_group()  # the others learn of it now, not at their collective's timeout
+            why = (f"rank {self.group.rank}: a backward pass failed partway ({what}), so the ranks' collectives are "
+                   "no longer in step and this process group cannot go on. Restart every rank and resume from the "
+                   "last checkpoint (engine.load_checkpoint()).")
+            self.updates.halt(why, error)
+        elif undone is Undone.NOTHING:
+            why = (f"a backward pass failed partway ({what}) after some units' updates had started beside it "
+                   "(no clipping and no fp16: each update starts as soon as its unit's gradient is final), so "
+                   "those units' parameters and optimizer states moved on and the others did not. This engine "
+                   "will not step, save or export from that state: engine.load_checkpoint() restores the last "
+                   "checkpoint (or close it and start again).")
+            self.updates.halt(why, error)
+        else:
+            why = ("the engine is as before that micro-step" if undone is Undone.PASS else
+                   "its gradients were already summed into those of the window's earlier micro-steps, so the "
+                   "whole accumulation window was dropped; the next backward starts a new one")
+            why = f"a backward pass failed partway ({what}): {why}."
+        log.warning("%s", why)
+        if error is not None:
+            error.add_note(f"outcore: {why}")
 
     @_engine_call
     def train_batch(self, micro_batches: Sequence[Any],
@@ -320,8 +370,8 @@ class Engine:
                 self.phase = Phase.BACKWARD
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 (total * self.scaler.scale if self.scaler.enabled else total).backward()
-        except BaseException:
-            self.gradients.reset(self.units, drop_grads=True)
+        except BaseException as error:
+            self._abandon_micro_step(error)
             raise
         finally:
             self.phase = Phase.IDLE
@@ -338,6 +388,7 @@ class Engine:
     @_engine_call
     def step(self) -> dict[str, Any]:
         """Apply the update at the end of an accumulation window; a no-op before it."""
+        self.updates.check()
         if not self.gradients.window_complete:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}

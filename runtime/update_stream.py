@@ -30,6 +30,10 @@ from outcore.runtime.policy import HANDED_OVER, Placement
 from outcore.runtime.step_counts import StepCounts
 
 
+class Halted(RuntimeError):
+    """The engine refuses to go on from its states until a checkpoint is loaded; says why."""
+
+
 class UpdateStream:
     """Owns the optimizer thread, the updates in flight and the units' step counts."""
 
@@ -62,7 +66,7 @@ class UpdateStream:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
         the chunks' gradient keys in the store). `bounded`: its gradient was made in this backward
         alone (a window of one micro-step), so waiting for earlier updates frees memory."""
-        self._check()
+        self.check()
         self._order.append(unit.index)
         following = self._next.get(unit.index)
         then = self.units[following].chunks if following is not None else []
@@ -87,7 +91,7 @@ class UpdateStream:
         last chunk is written; so do states resting in HOST beside the work, since one call would
         hold every unit's states, gradient and master at once, past the least host budget
         (runtime/memory_plan.py counts a chunk at a time)."""
-        self._check()
+        self.check()
         idle = dict(idle or {})  # by value: the caller's window resets while these updates run
         chunks = [c for u in units for c in u.chunks]
         if self.place.opt_tier == self.place.work_tier == Tier.DEVICE:  # nothing to stream: one fused call
@@ -123,7 +127,7 @@ class UpdateStream:
 
     def wait(self, unit: FlatUnit) -> None:
         """Before a unit is gathered again: its update, if one is still running, has finished."""
-        self._check()
+        self.check()
         future = self._pending.pop(unit.index, None)
         if future is not None:
             self._result(future)
@@ -134,7 +138,7 @@ class UpdateStream:
 
     def drain(self) -> None:
         """Wait for every update started so far."""
-        self._check()
+        self.check()
         self._settle()
 
     def abandon(self) -> None:
@@ -142,6 +146,16 @@ class UpdateStream:
         their outcome, and forget them."""
         self._take_all()
         self._behind_backward.clear()
+
+    def halt(self, why: str, cause: BaseException | None = None) -> None:
+        """Something beside the updates left the states unfit to go on from (`why` says what, and
+        what to do): wait for the updates in flight, then refuse every later use, as after a failed
+        update, until a checkpoint load succeeds."""
+        self._take_all()
+        self._behind_backward.clear()
+        if self.failed is None:
+            self.failed = Halted(why)
+            self.failed.__cause__ = cause
 
     def loaded(self, error: BaseException | None) -> None:
         """After a checkpoint load began writing: None if it replaced every state (a failed update
@@ -183,12 +197,16 @@ class UpdateStream:
             self.failed = error
             raise error
 
-    def _check(self) -> None:
-        if self.failed is not None:
-            error = self.failed
-            raise RuntimeError(f"an earlier failure left the model's states partly written ({type(error).__name__}: "
-                               f"{error}). This engine cannot go on until engine.load_checkpoint() restores them "
-                               "all (or close it and start again from a checkpoint).") from error
+    def check(self) -> None:
+        """Raise if an earlier failure left the states unfit to go on from."""
+        if self.failed is None:
+            return
+        error = self.failed
+        if isinstance(error, Halted):
+            raise Halted(str(error)) from error.__cause__
+        raise RuntimeError(f"an earlier failure left the model's states partly written ({type(error).__name__}: "
+                           f"{error}). This engine cannot go on until engine.load_checkpoint() restores them "
+                           "all (or close it and start again from a checkpoint).") from error
 
     # -- on the optimizer thread ------------------------------------------------------------------
 
