@@ -20,18 +20,44 @@ mapped apart, said once in the log, under the same bound.
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
+import resource
 import threading
 
 import numpy as np
 
 from outcore.offload.aligned import aligned_array, release_pages
 from outcore.offload.buffers import HostBuffer
+from outcore.offload.errors import StorageError
 from outcore.offload.io_config import round_up
 
 log = logging.getLogger(__name__)
 
 ADDRESS_SPACE = 2  # address space mapped per byte of capacity
+
+
+def _map(capacity: int) -> np.ndarray:
+    """The arena's mapping: `ADDRESS_SPACE` times its capacity where the address-space limit
+    (`ulimit -v`) allows, else the capacity alone, said once; refused in one clear error where not
+    even that fits."""
+    for factor in (ADDRESS_SPACE, 1):
+        try:
+            mapping = aligned_array(factor * capacity)
+        except (OSError, MemoryError) as e:
+            if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                raise
+            continue
+        if factor != ADDRESS_SPACE:
+            log.warning("the address-space limit (ulimit -v) leaves no room for %s of host arena; it maps its "
+                        "capacity alone, so fragmented free memory may refuse a large buffer, which is then mapped "
+                        "apart (slower)", f"{ADDRESS_SPACE * capacity:,} bytes")
+        return mapping
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    said = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,} bytes"
+    raise StorageError(f"cannot map {capacity:,} bytes of host memory for the host and device budgets: the "
+                       f"address-space limit (ulimit -v: {said}) or the machine refuses it. Lower host_budget "
+                       "and device_budget, or raise the limit.")
 
 
 class ArenaBuffer(HostBuffer):
@@ -50,7 +76,7 @@ class HostArena:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = round_up(max(capacity, 1))
-        self._mapping = aligned_array(ADDRESS_SPACE * self.capacity)
+        self._mapping = _map(self.capacity)
         self._lock = threading.Lock()
         # Free runs of the mapping: sorted offsets, and offset -> [length, touched]. Neighbours
         # with the same `touched` are merged.

@@ -1,7 +1,10 @@
 """The NVMe directory a run pages into: its own, private, and not shared with a live run.
 
-- Created with mode 0700 when missing. One that others may read or write is tightened to 0700 and
-  said once; one owned by another user is refused.
+- Created with mode 0700 when missing (and the folders made for it removed again if that fails
+  midway). One that exists keeps its mode: outcore changes no folder it did not create. Where
+  others may write (a shared `/tmp`-like folder), the files go in a private subfolder,
+  `outcore-<uid>`, said once. One owned by another user, and a symbolic link another user made,
+  are refused.
 - Each rank holds an advisory lock (`flock`) on `rank<R>.lock` for as long as its store is open,
   with its pid written inside. A second live run on the same directory and rank meets one clear
   error naming the directory and the holder's pid. A dead run's lock dies with its process, so the
@@ -23,23 +26,74 @@ log = logging.getLogger(__name__)
 
 
 def prepare_directory(directory: str) -> str:
-    """Create `directory` (0700) if missing; refuse a path that is not a folder of ours; tighten its mode."""
+    """The folder the swap files go in: `directory`, made (0700) with whatever folders above it are
+    missing, or where others may write to it, a private subfolder of it. Returns its path.
+    Refused: a path that is not a folder, a folder of another user's (other than a shared one), a
+    symbolic link another user planted. A directory outcore did not create keeps its mode."""
     directory = os.path.abspath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise StorageError(f"nvme_dir {directory!r} exists and is not a directory; name a directory.")
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.stat(directory)
-    except OSError as e:
-        raise StorageError(f"cannot create nvme_dir {directory!r}: {e.strerror}. Name a writable directory.") from e
+    if os.path.lexists(directory):
+        st = os.lstat(directory)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid != os.getuid():
+            raise StorageError(f"nvme_dir {directory!r} is a symbolic link another user made (uid {st.st_uid}); "
+                               "outcore does not follow it. Name the folder itself.")
+        if not os.path.isdir(directory):
+            raise StorageError(f"nvme_dir {directory!r} exists and is not a directory; name a directory.")
+    else:
+        _make_folders(directory)
+    st = os.stat(directory)
+    if stat.S_IMODE(st.st_mode) & 0o022:  # others may write here (/tmp): a folder of our own inside
+        return _private_subfolder(directory)
     if st.st_uid != os.getuid():
         raise StorageError(f"nvme_dir {directory!r} belongs to another user (uid {st.st_uid}); the swap files hold "
                            "your model's states: name a directory of your own.")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(directory, 0o700)
-        log.warning("nvme_dir %s was mode %o, open to other users; tightened to 0700", directory,
-                    stat.S_IMODE(st.st_mode))
     return directory
+
+
+def _make_folders(directory: str) -> None:
+    """`directory` and the folders above it that are missing, 0700; on failure (a name too long, no
+    permission) the ones made here are removed again."""
+    missing = []
+    path = directory
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    try:
+        for path in reversed(missing):
+            os.mkdir(path, 0o700)
+            made.append(path)
+    except OSError as e:
+        for path in reversed(made):
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
+        raise StorageError(f"cannot create nvme_dir {directory[:200]!r}: {e.strerror}. Name a writable directory "
+                           "(and a shorter path, if it is too long).") from e
+
+
+_said_private: set[str] = set()
+
+
+def _private_subfolder(shared: str) -> str:
+    """`<shared>/outcore-<uid>`, 0700 and this user's, made if missing; refused if someone else's."""
+    path = os.path.join(shared, f"outcore-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StorageError(f"cannot create {path!r} in the shared nvme_dir {shared!r}: {e.strerror}.") from e
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise StorageError(f"nvme_dir {shared!r} is shared with other users, and {path!r}, where outcore keeps "
+                           "its files there, is not a private folder of yours (a link, another user's, or open "
+                           "to others); remove it, or name a directory of your own.")
+    if shared not in _said_private:
+        _said_private.add(shared)
+        log.warning("nvme_dir %s is writable by other users; the swap files go in a private folder inside it, %s",
+                    shared, path)
+    return path
 
 
 def open_private(path: str, flags: int) -> int:

@@ -259,6 +259,11 @@ class TieredStore(Moves, Writes, Budgets):
         unlike `stats()`)."""
         return self._engine.counters.bytes_written
 
+    @property
+    def directory(self) -> str:
+        """The folder of the swap file (nvme_dir, or a scratch folder)."""
+        return self._swap.directory
+
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
         with self._cond:

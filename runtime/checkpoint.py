@@ -5,9 +5,10 @@
     <dir>/<tag>/meta.json             config, world size, step, unit layout, crc32 of every rank file
     <dir>/latest                      the newest complete tag
 
-Every rank writes into `<dir>/.<tag>.tmp/`, streaming one unit at a time from wherever its state
-rests (NVMe included). Rank 0 then writes meta.json and renames the folder into place, and only
-after that updates `latest`: a crash at any instant leaves the previous checkpoint whole.
+Every rank writes into a folder of this save's own (`<dir>/.<tag>.<pid>-<random>.tmp/`),
+streaming one unit at a time from wherever its state rests (NVMe included). Rank 0 then writes
+meta.json and renames the folder into place, and only after that updates `latest`: a crash at any
+instant leaves the previous checkpoint whole. Who may save where: runtime/checkpoint_guard.py.
 Loading checks the layout and the crc32 of each file it reads before reading a byte of it into the
 engine, and reads with safetensors (no unpickling). A checkpoint written by N ranks loads on M.
 """
@@ -32,10 +33,17 @@ from outcore.runtime.checkpoint_folder import (
     sealed,
     verify_rank_file,
 )
+from outcore.runtime.checkpoint_guard import (
+    refuse_a_file_in_the_way,
+    refuse_scratch_inside,
+    refuse_what_is_not_ours,
+    sweep_dead_saves,
+)
 from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.collectives import barrier, gather_objects
 from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
+from outcore.runtime.written_files import create_file, unique_name
 
 if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
@@ -69,19 +77,15 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
         raise ValueError(f"checkpoint tag {tag!r}: use a plain name such as 'step100'.")
     client_state = {} if progress.get("client_state") is None else progress["client_state"]
     _check_client_state(client_state)
-    _refuse_a_file_in_the_way(directory)
-    _refuse_what_is_not_ours(directory, tag)
+    refuse_a_file_in_the_way(directory)
+    refuse_what_is_not_ours(directory, tag)
+    refuse_scratch_inside(directory, sm.store.directory)
     sm.settle()
     final = os.path.join(directory, tag)
-    tmp = os.path.join(directory, f".{tag}.tmp")
+    tmp = _begin(sm, directory, tag)
     name = f"rank{sm.group.rank}.safetensors"
     path = os.path.join(tmp, name)
     try:
-        if sm.group.rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier(sm.group)
         _write_rank_file(sm, path)
         crcs = gather_objects((name, f"{file_crc32(path):08x}"), sm.group)
         if sm.group.rank == 0:
@@ -107,14 +111,25 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
     return final
 
 
-def _refuse_a_file_in_the_way(directory: str) -> None:
-    """A file where the checkpoint directory, or a folder above it, should be: one clear error before
-    any rank writes (otherwise the save fails on its first mkdir with a bare "File exists")."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {directory!r}: {path!r} is a file; name a directory.")
+def _begin(sm: ShardedModel, directory: str, tag: str) -> str:
+    """Rank 0 takes the directory's lock, clears dead saves' leftovers and makes this save's own
+    folder (runtime/checkpoint_guard.py); every rank learns its name, or rank 0's error."""
+    tmp, error = "", None
+    if sm.group.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            sm.writer_lock.hold(directory)
+            sweep_dead_saves(directory)
+            tmp = unique_name(os.path.join(directory, tag))
+            os.mkdir(tmp)  # exclusively: the name is this save's alone
+        except (OSError, StorageError) as e:
+            error = e
+    shared = gather_objects(tmp if error is None else f"error: {error}", sm.group)[0]
+    if error is not None:
+        raise error
+    if shared.startswith("error: "):
+        raise StorageError(f"rank 0 could not start the save: {shared[len('error: '):]}")
+    return shared
 
 
 def _write_rank_file(sm: ShardedModel, path: str) -> None:
@@ -171,36 +186,6 @@ def _check_client_state(state: Any) -> None:
                          "there, and save tensors or other objects yourself.") from None
 
 
-def _refuse_what_is_not_ours(directory: str, tag: str) -> None:
-    """A save replaces only what outcore wrote: the tag's folder if it is a checkpoint (it holds a
-    meta.json), and the leftovers of a save that died (`.<tag>.tmp`, `.<tag>.old`, `.latest.tmp`,
-    holding rank files and meta.json only). Anything else under those names is the user's: refused,
-    before a byte is written, and left as it is."""
-    final = os.path.join(directory, tag)
-    if os.path.lexists(final) and not (_real_dir(final) and os.path.isfile(os.path.join(final, "meta.json"))):
-        raise ValueError(f"{final!r} exists and is not an outcore checkpoint (it has no meta.json): outcore replaces "
-                         "only checkpoints it wrote. Save under another tag, or move it away.")
-    for name in (f".{tag}.tmp", f".{tag}.old"):
-        path = os.path.join(directory, name)
-        if os.path.lexists(path) and not (_real_dir(path) and all(_leftover(path, f) for f in os.listdir(path))):
-            raise ValueError(f"{path!r} holds what outcore did not write there; move it away, and save again.")
-    latest_tmp = os.path.join(directory, ".latest.tmp")
-    if os.path.lexists(latest_tmp) and (os.path.islink(latest_tmp) or not os.path.isfile(latest_tmp)):
-        raise ValueError(f"{latest_tmp!r} is a link or not a file: outcore writes `latest` through that name and "
-                         "follows no link it finds there. Remove it, and save again.")
-
-
-def _real_dir(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path)
-
-
-def _leftover(folder: str, name: str) -> bool:
-    """A file a save writes into its folder: a rank file or meta.json, a plain file."""
-    path = os.path.join(folder, name)
-    return (name == "meta.json" or (name.startswith("rank") and name.endswith(".safetensors"))) and \
-        os.path.isfile(path) and not os.path.islink(path)
-
-
 def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
     """Rank 0: meta.json into the finished folder, the folder into place, then `latest`. A tag saved
     before is moved aside to `.<tag>.old` first, and back should the move of the new one fail; a
@@ -222,10 +207,9 @@ def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
             os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    latest_tmp = os.path.join(directory, ".latest.tmp")
+    latest_tmp = unique_name(os.path.join(directory, LATEST))
     try:
-        _unlink(latest_tmp)  # a plain file a save that died left (checked above: no link)
-        fd = os.open(latest_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = create_file(latest_tmp)
         with os.fdopen(fd, "w") as f:
             f.write(tag + "\n")
             f.flush()

@@ -506,6 +506,7 @@ class Engine:
                 h.remove()
             for unit in self.units:
                 unit.mark_closed()
+            self.sharded.writer_lock.release()
             try:
                 self.store.close()
             finally:

@@ -9,6 +9,7 @@ dropped), and only then wires its hooks.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,6 +32,8 @@ from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
+
+log = logging.getLogger(__name__)
 
 
 def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:
@@ -80,9 +83,13 @@ def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: 
     plan = plan.placed(kept)
     if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
         assert c.nvme_dir is not None  # Config requires it with anything on NVMe
-        free = shutil.disk_usage(prepare_directory(c.nvme_dir)).free
-        if free < plan.nvme.total:
-            raise StorageFullError(c.nvme_dir, plan.nvme.total, free)
+        usage = shutil.disk_usage(prepare_directory(c.nvme_dir))
+        if usage.total == 0:  # ramfs and its kind report no size at all: nothing to check against
+            log.warning("nvme_dir %s is on a filesystem that reports no size (ramfs?): the %s bytes meant for NVMe "
+                        "are not checked against its room, and live in memory there", c.nvme_dir,
+                        f"{plan.nvme.total:,}")
+        elif usage.free < plan.nvme.total:
+            raise StorageFullError(c.nvme_dir, plan.nvme.total, usage.free)
     # Optimizer states the host budget has room for rest there: runtime/memory_plan.py
     # [Note: kept optimizer states].
     place = replace(policy.placement, kept=kept)

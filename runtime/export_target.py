@@ -1,19 +1,26 @@
 """Where an export lands: written aside and moved into place, so a failed export leaves what was there.
 
-A single file (`OUT.safetensors`) is written as `OUT.safetensors.tmp` and renamed over `OUT`. A
-Hugging Face directory is written as `OUT.tmp`; when `OUT` already exists it may hold files of its
-own (a tokenizer, a README, a run's checkpoints), so, as `save_pretrained` does, the export replaces
-only the files it wrote and, when it wrote a model's weights, removes the weight shards of an
-earlier export that the new one does not have. Nothing else in the directory is touched.
+A single file (`OUT.safetensors`) is written under a name beside it that is this writer's alone and
+renamed over `OUT`. A Hugging Face directory is written the same way, as a folder. When `OUT`
+already exists it may hold files of its own (a tokenizer, a README, a run's checkpoints), so, as
+`save_pretrained` does, the export replaces only the files it wrote and, when it wrote a model's
+weights, drops the weight shards of an earlier export that the new one does not have. It does so
+whole: the rest of `OUT` is hard-linked into the new folder, and the two folders are swapped in one
+atomic exchange. A kill at any instant leaves `OUT` all old or all new, never new shards beside an
+old index.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from outcore.offload import StorageError
+from outcore.runtime.written_files import link_tree, replace_whole, unique_name
 
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """The files of a Hugging Face directory's weights, as ShardedSafetensorsWriter names them."""
@@ -48,34 +55,51 @@ def check_export_path(out: str) -> None:
 
 @contextmanager
 def export_target(out: str) -> Iterator[str]:
-    """Yield the path to write the export of `out` to. On success it is moved into place; on any
-    failure it is removed and `out` is as it was."""
+    """Yield the path to write the export of `out` to: a name beside `out` that is this writer's
+    alone (`written_files.unique_name`), a folder made here for the Hugging Face layout, a file the
+    writer creates for one file. On success it is moved into place whole; on any failure it is
+    removed and `out` is as it was."""
     check_export_path(out)
     out = os.path.normpath(out)
-    tmp = f"{out}.tmp"
-    _remove(tmp)
-    if is_one_file(out):  # a directory's own writer makes it, and its parents with it
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # as save_pretrained does
+    tmp = unique_name(out)
+    one_file = is_one_file(out)
+    if not one_file:
+        os.mkdir(tmp)  # exclusively: the name is new, and nobody else's
     try:
-        yield tmp
-        if is_one_file(out) or not os.path.isdir(out):
-            os.replace(tmp, out)
+        try:
+            yield tmp
+        except OSError as e:
+            todo = ("free space there, or export elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                    else "mend that, or export elsewhere")
+            raise StorageError(f"export {out!r}: writing {e.filename or tmp!r} failed: {e.strerror}. What was "
+                               f"written is removed and {out!r} is as it was; {todo}.") from e
+        if one_file:
+            os.replace(tmp, out)  # over a link, the link itself is replaced: nothing is followed
+        elif not os.path.lexists(out):
+            os.rename(tmp, out)
         else:
-            _merge_into(tmp, out)
+            _carry_over(out, tmp)
+            replace_whole(tmp, out)  # `out` is then either all old or all new, never a mix
     finally:
-        _remove(tmp)
+        _remove(tmp)  # on success, what was `out` before (a directory swapped out) or nothing
 
 
-def _merge_into(tmp: str, out: str) -> None:
-    """Move the new files into the existing directory `out`; then, if they are a model's weights,
-    drop the weight files of an earlier export that they replace."""
+def _carry_over(out: str, tmp: str) -> None:
+    """Into the new folder, what of `out` the export does not replace, hard-linked (no bytes
+    copied, and the files stay the user's same files): everything but the files it wrote and, when
+    it wrote a model's weights, the weight files of an earlier export that the new ones replace."""
     written = set(os.listdir(tmp))
-    for name in sorted(written, key=lambda n: n.endswith(".json")):  # weights before index and config
-        os.replace(os.path.join(tmp, name), os.path.join(out, name))
-    if any(WEIGHT_FILE.fullmatch(n) for n in written):
-        for name in os.listdir(out):
-            if name not in written and WEIGHT_FILE.fullmatch(name):
-                os.unlink(os.path.join(out, name))
+    drop_weights = any(WEIGHT_FILE.fullmatch(n) for n in written)
+    for name in os.listdir(out):
+        if name in written or (drop_weights and WEIGHT_FILE.fullmatch(name)):
+            continue
+        try:
+            link_tree(os.path.join(out, name), os.path.join(tmp, name))
+        except OSError as e:
+            raise OSError(e.errno, f"export {out!r} replaces that folder whole, and cannot carry "
+                          f"{os.path.join(out, name)!r} over into the new one ({e.strerror}); export into a new "
+                          "directory, or move that away", e.filename) from e
 
 
 def _remove(path: str) -> None:

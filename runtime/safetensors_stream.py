@@ -14,6 +14,8 @@ import zlib
 
 import torch
 
+from outcore.runtime.written_files import create_file
+
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -38,7 +40,7 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)
         self._data_start = 8 + len(raw)
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fd = create_file(path)  # a new file: nothing there is written through
         os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.ftruncate(self._fd, self._data_start + offset)
         self._written: dict[str, int] = {}  # bytes written per entry

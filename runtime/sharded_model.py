@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from outcore.offload import TieredStore
+from outcore.runtime.checkpoint_guard import WriterLock
 from outcore.runtime.collectives import Group
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.model_family import ModelFamily
@@ -111,6 +112,7 @@ class ShardedModel:
     state_dict_keys: list[str]  # `model.state_dict()`'s keys, in its order, taken before sharding
     family: ModelFamily  # what the engine asks of the model beyond nn.Module (runtime/model_family.py)
     guard: StateDictGuard = field(default_factory=StateDictGuard)
+    writer_lock: WriterLock = field(default_factory=WriterLock)  # the checkpoint directory it saves into
 
     def settle(self) -> None:
         self.updates.drain()

@@ -159,7 +159,6 @@ def export_adapters(sm: ShardedModel, directory: str) -> None:
     with sm.guard.open():  # (peft asks a module trained whole for its state_dict())
         state, write_config = sm.family.adapter_tensors(adapters)
     with export_target(directory) as target:
-        os.makedirs(target)
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(target, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         write_config(target)

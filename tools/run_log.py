@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+from outcore.runtime.written_files import open_appending
+
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -31,7 +33,8 @@ class RunLog:
         if not enabled:
             return
         os.makedirs(out, exist_ok=True)
-        self._file = open(os.path.join(out, "log.jsonl"), "a" if resume else "w", encoding="utf-8")  # noqa: SIM115
+        fd = open_appending(os.path.join(out, "log.jsonl"), truncate=not resume)  # no link followed
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter

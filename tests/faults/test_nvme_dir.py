@@ -1,6 +1,6 @@
-"""The NVMe directory is the run's own: links planted in it are not followed, a loose mode is
-tightened, a file in its place is refused, a second live run is refused by name, and a dead run's
-directory is taken over."""
+"""The NVMe directory is the run's own: links planted in it are not followed, a folder outcore did not
+create keeps its mode, a shared one gets a private subfolder, a file in its place is refused, a second
+live run is refused by name, and a dead run's directory is taken over."""
 
 import os
 import signal
@@ -54,15 +54,50 @@ def test_a_symlink_planted_as_the_index_is_not_followed(tmp_path):
     store.close()
 
 
-def test_a_directory_open_to_others_is_tightened_to_0700(tmp_path, caplog):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    os.chmod(nvme, 0o777)
+def test_a_shared_directory_gets_a_private_subfolder_and_keeps_its_mode(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # a /tmp of its own
     with caplog.at_level("WARNING"):
-        store = TieredStore(str(nvme), "cpu", 1 << 20, 1 << 20)
-    assert stat.S_IMODE(os.stat(nvme).st_mode) == 0o700
-    assert any("tightened to 0700" in r.message for r in caplog.records)
+        store = TieredStore(str(shared), "cpu", 1 << 20, 1 << 20)
+    private = shared / f"outcore-{os.getuid()}"
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o700 and (private / "rank0.lock").exists()
+    assert sum("writable by other users" in r.message for r in caplog.records) == 1
     store.close()
+
+
+def test_a_planted_link_as_the_private_subfolder_is_refused(tmp_path):
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.mkdir()
+    os.chmod(shared, 0o1777)
+    os.symlink(elsewhere, shared / f"outcore-{os.getuid()}")
+    with pytest.raises(StorageError, match="not a private folder of yours"):
+        TieredStore(str(shared), "cpu", 1 << 20, 1 << 20)
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize("linked", [False, True])
+def test_a_directory_outcore_did_not_create_keeps_its_mode(tmp_path, linked):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    named = folder
+    if linked:  # the user's own link to it: followed, and the folder behind it left as it is
+        named = tmp_path / "link"
+        os.symlink(folder, named)
+    store = TieredStore(str(named), "cpu", 1 << 20, 1 << 20)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755 and (folder / "rank0.lock").exists()
+    store.close()
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755
+
+
+def test_a_path_too_long_is_refused_and_leaves_no_folders(tmp_path):
+    deep = tmp_path / "/".join(["d" * 240] * 21)  # past PATH_MAX only at its 17th folder
+    with pytest.raises(StorageError, match="cannot create nvme_dir"):
+        TieredStore(str(deep), "cpu", 1 << 20, 1 << 20)
+    assert os.listdir(tmp_path) == []
 
 
 def test_an_engine_whose_nvme_dir_is_a_file_is_refused_and_the_file_kept(tmp_path):
