@@ -60,7 +60,12 @@ def _make_folders(directory: str) -> None:
     made = []
     try:
         for path in reversed(missing):
-            os.mkdir(path, 0o700)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:  # another rank of this run made it a moment ago
+                if not os.path.isdir(path):
+                    raise
+                continue
             made.append(path)
     except OSError as e:
         for path in reversed(made):

@@ -207,9 +207,9 @@ class Engine:
         try:
             output = self.model(*args, **kwargs)
             if torch.is_grad_enabled():
-                self._watch.arm(output)
                 if not self.policy.resident or self.policy.overlapped:
                     refuse_a_second_backward(output)
+                self._watch.arm(output)  # after: a second backward refused there never starts a pass
             return output
         except BaseException:
             # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward, no

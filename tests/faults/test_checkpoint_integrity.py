@@ -85,7 +85,7 @@ CRASHES = textwrap.dedent("""
     engine.step()
     real = os.replace
     def dies(src, dst):  # kill -9 at the instant of the rename named by `when`
-        if (when == "resave" and src.endswith(".t.tmp")) or (when == "first" and dst.endswith("latest")):
+        if (when == "resave" and "/.t." in src) or (when == "first" and dst.endswith("latest")):
             os.kill(os.getpid(), signal.SIGKILL)
         real(src, dst)
     os.replace = dies

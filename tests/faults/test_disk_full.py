@@ -121,7 +121,7 @@ def test_a_checkpoint_that_fills_the_disk_names_the_file_and_leaves_nothing_half
     error, listing, loaded = res.stdout.strip().splitlines()
     assert error.startswith(f"error: checkpoint {str(ckpt / 'bad')!r}: writing ")
     assert "rank0.safetensors" in error and "File too large" in error and "partial save was removed" in error
-    assert json.loads(listing) == ["good", "latest"]  # no .bad.tmp
+    assert json.loads(listing) == [".outcore-rank0.lock", "good", "latest"]  # no temporary folder; the run's lock
     assert loaded == "good"
 
 

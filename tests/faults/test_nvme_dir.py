@@ -136,3 +136,17 @@ def test_a_killed_runs_directory_is_taken_over_by_the_next_run(tmp_path):
     store.release("k")
     store.close()
     assert os.listdir(tmp_path / "nvme") == []  # scratch reclaimed and removed
+
+
+def test_two_ranks_making_the_same_nvme_dir_at_once_both_go_on(tmp_path, monkeypatch):
+    """The other rank makes the folder between this one's look and its mkdir."""
+    from outcore.offload import scratch_dir
+
+    real = os.mkdir
+
+    def raced(path, mode=0o777):
+        real(path, mode)  # the other rank, first
+        raise FileExistsError(17, "File exists", path)
+
+    monkeypatch.setattr(scratch_dir.os, "mkdir", raced)
+    assert scratch_dir.prepare_directory(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")

