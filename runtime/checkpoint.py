@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 from outcore.runtime.written_files import create_file, unique_name
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from outcore.runtime.sharded_model import ShardedModel
 
@@ -59,6 +62,17 @@ def _layout(sm: ShardedModel) -> list[dict]:
 
 
 BUFFER_PREFIX = "buffer."  # model buffers (running statistics and the like) ride in every rank's file
+ROUNDING_STATE = "rounding.generator"  # bf16 states: the rank's stochastic-rounding generator
+
+
+def _converting(folder: str, saved: str, ours: str) -> torch.dtype:
+    """The dtype the engine stores optimizer states in; a checkpoint whose states were kept in the
+    other one is converted as it loads, and the log says so."""
+    if saved != ours:
+        how = "widened exactly" if ours == "fp32" else "rounded to the nearest bf16"
+        log.warning("checkpoint %s kept its optimizer states in %s and this engine keeps them in %s: %s as they "
+                    "load", folder, saved, ours, how)
+    return torch.bfloat16 if ours == "bf16" else torch.float32
 
 
 def _fsync_dir(path: str) -> None:
@@ -94,6 +108,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "units": _layout(sm), **sm.updates.counts.state_dict(),
                     "state_dict_keys": sm.state_dict_keys, **progress.get("model_record", {}),
+                    "state_dtype": sm.store_state_dtype,
                     "client_state": client_state, "files": dict(crcs)}
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
@@ -138,9 +153,12 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
     chunks = [c for u in sm.units for c in u.chunks]
     buffers = {BUFFER_PREFIX + k: v.contiguous() for k, v in sm.buffers().items()}
     frozen = [u for u in sm.units if u.frozen]
+    rounding = sm.updates.rounding
+    extra = {ROUNDING_STATE: rounding.state()} if rounding is not None else {}
+    # Always fp32 [master|m|v]: one layout for export and resharding to read; bf16 states widen exactly.
     writer = SafetensorsWriter(path, [(c.opt_key, torch.float32, (3 * c.numel,)) for c in chunks]
                                + [(u.param_key, u.dtype, (u.layout.shard,)) for u in frozen]
-                               + [(k, v.dtype, tuple(v.shape)) for k, v in buffers.items()])
+                               + [(k, v.dtype, tuple(v.shape)) for k, v in {**buffers, **extra}.items()])
     for u in frozen:  # parameters only: no optimizer state (runtime/units.py [Note: frozen units])
         if u.aliased:
             writer.write(u.param_key, u.flat.detach())
@@ -161,16 +179,16 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
                 state = store.fetch_now(c.opt_key, place.work_tier)
                 try:
                     if master is None:
-                        writer.write(c.opt_key, state)
+                        writer.write(c.opt_key, state.float())
                     else:
-                        writer.write_part(c.opt_key, master[c.start : c.end], 0)
-                        writer.write_part(c.opt_key, state, c.numel)
+                        writer.write_part(c.opt_key, master[c.start : c.end].float(), 0)
+                        writer.write_part(c.opt_key, state.float(), c.numel)
                 finally:
                     store.release(c.opt_key)
         finally:
             if lent:
                 store.release(u.param_key)
-    for k, v in buffers.items():
+    for k, v in {**buffers, **extra}.items():
         writer.write(k, v)
     writer.close()
 
@@ -294,6 +312,7 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
                          f"{_first_difference(saved, built)}. Build the model as it was when saved (its "
                          "config, LoRA rank and frozen parameters) with the same unit_classes.")
     shards = CheckpointShards(folder, meta, verify=lambda name: verify_rank_file(folder, meta, name))
+    state_dtype = _converting(folder, meta.get("state_dtype", "fp32"), sm.store_state_dtype)
     store, place, rank = sm.store, sm.place, sm.group.rank
     shards.open_for([(u.index, rank * u.layout.shard, (rank + 1) * u.layout.shard) for u in sm.units])
     try:
@@ -310,13 +329,17 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
                 for c in u.chunks:
                     master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
                                     for part in (MASTER, EXP_AVG, EXP_AVG_SQ))
-                    state = torch.cat([m, v] if u.master_is_param else [master, m, v])
+                    state = torch.cat([m, v] if u.master_is_param else [master, m, v]).to(state_dtype)
                     _overwrite(store, c.opt_key, state, place.opt_home(c.unit.index),
                                return_home=place.opt_returns_home(c.unit.index))
                     params.write(c, master)
                 if u.resident:
                     u.refresh()
         buffers = shards.buffers(BUFFER_PREFIX)
+        if sm.updates.rounding is not None and meta["world_size"] == sm.group.world:
+            drawn = shards.of_rank(rank, ROUNDING_STATE)  # the draws go on where the saved run's would have
+            if drawn is not None:
+                sm.updates.rounding.load_state(drawn)
         shards.close()
         if buffers:
             with sm.guard.open():

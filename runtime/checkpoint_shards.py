@@ -53,6 +53,11 @@ class CheckpointShards:
         f = self._file(0)
         return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
 
+    def of_rank(self, rank: int, name: str) -> torch.Tensor | None:
+        """Tensor `name` of rank `rank`'s own file, or None where it has none."""
+        f = self._file(rank)
+        return f.get_tensor(name) if name in f.keys() else None
+
     def state(self, index: int, lo: int, hi: int, part: int) -> torch.Tensor:
         """Elements [lo, hi) of unit `index`'s fp32 master, exp_avg or exp_avg_sq (`part`)."""
         out = torch.zeros(hi - lo, dtype=torch.float32)

@@ -19,7 +19,7 @@ from outcore.offload.typed_fields import check_fields
 from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
-from outcore.runtime.policy import DTYPES, OFFLOADS
+from outcore.runtime.policy import DTYPES, OFFLOADS, STATE_DTYPES
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
 SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit's seed from it stays in torch's range
@@ -36,6 +36,9 @@ class Config:
     offload_optimizer: where fp32 master weights and Adam moments rest.
     nvme_dir:          directory for the per-rank swap files (needed when anything is on "nvme").
     dtype:             compute dtype; fp16 uses dynamic loss scaling.
+    state_dtype:       "fp32" (exact AdamW) or "bf16": Adam moments, and the master weights where
+                       they are not the fp32 parameters themselves, stored in bf16 (half the
+                       optimizer's bytes), updated in fp32 and rounded stochastically.
     prefetch_depth:    fetch units prefetched ahead of use.
     device_budget, host_budget: bytes; None derives them from the machine.
     unit_classes:      module class names that form fetch units (empty: the repeated blocks).
@@ -51,6 +54,7 @@ class Config:
     offload_optimizer: str = "none"
     nvme_dir: str | None = None
     dtype: str = "fp32"
+    state_dtype: str = "fp32"
     prefetch_depth: int = 2
     device_budget: int | None = None
     host_budget: int | None = None
@@ -78,6 +82,8 @@ class Config:
             raise ValueError("nvme_dir is required when offload_params or offload_optimizer is 'nvme'.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={self.state_dtype!r}: use one of {', '.join(STATE_DTYPES)}.")
         if not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
             raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be between 0 and {MAX_PREFETCH_DEPTH} "
                              "units ahead (2 is the default; more than a model's units ahead prefetches nothing more).")

@@ -52,6 +52,7 @@ from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
+from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
@@ -132,8 +133,9 @@ class Engine:
                                                                          self.group.rank, shapes_of(plans, self.policy))
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
+        rounding = StochasticRounding(seed + self.group.rank) if self.policy.state_dtype == "bf16" else None
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
-                                    read_ahead=read_ahead, nice=config.io.nice)
+                                    read_ahead=read_ahead, nice=config.io.nice, rounding=rounding)
         work_device = self.device if self.place.work_tier == Tier.DEVICE else torch.device("cpu")
         self.gradients = GradientPath(self.store, self.policy, self.place, self.group, self.scaler, self.updates,
                                       device=self.device, work_device=work_device)

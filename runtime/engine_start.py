@@ -177,7 +177,8 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
             into.copy_(param.detach())
     master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
     for c in unit.chunks:
-        state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param)
+        state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param,
+                              dtype=torch.bfloat16 if policy.state_dtype == "bf16" else torch.float32)
         store.put(c.opt_key, state, place.opt_home(unit.index), return_home=place.opt_returns_home(unit.index))
     store.put(unit.param_key, master, place.param_tier, dtype=unit.dtype, return_home=place.param_returns_home)
     del flat32, master

@@ -190,7 +190,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     params_on, opt_on = policy.offload_params, policy.offload_optimizer
     work_on_device = opt_on == "none"
     resident, aliased, in_place = policy.resident, policy.aliased, policy.master_is_param
-    state_elem = 8 if in_place else 12  # [m|v] or [master|m|v], fp32
+    state_elem = (2 if in_place else 3) * policy.state_elem  # [m|v] or [master|m|v]
     sizes = [policy.chunk_sizes(u.shard) for u in units if not u.frozen]  # (elements, count) per unit
     chunk = max((size for ss in sizes for size, _ in ss), default=0)
     n_chunks = sum(n for ss in sizes for _, n in ss)
@@ -261,6 +261,11 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
         where["cpu" if params_on == "nvme" else params_on]["runtime"] += largest_unit
     elif not aliased and device_type != "cpu" and params_on != work_name:
         where[work_name]["runtime"] += largest_unit
+    if policy.state_dtype == "bf16" and n_chunks:  # the update's fp32 copies of a chunk, and its rounding bits
+        copies = _pages(chunk * (3 * 4 + 4))
+        work["runtime"] += copies
+        if not work_on_device:
+            host_needs.append(("one optimizer chunk in fp32 while it updates", copies))
     ample = depth  # optimizer chunks read ahead with room: more only when streamed from NVMe
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]

@@ -24,6 +24,7 @@ from outcore.runtime.flat_unit import Chunk
 from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import Placement
 from outcore.runtime.step_counts import StepCounts
+from outcore.runtime.stochastic_rounding import StochasticRounding
 
 
 @dataclass
@@ -64,10 +65,10 @@ class _Group:
     steps: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
-    """A new chunk's state: [0 | 0], or [master | 0 | 0] `with_master`."""
+def initial_state(master: torch.Tensor, *, with_master: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new chunk's state in `dtype`: [0 | 0], or [master | 0 | 0] `with_master`."""
     n = master.numel()
-    state = torch.zeros((3 if with_master else 2) * n, dtype=torch.float32)
+    state = torch.zeros((3 if with_master else 2) * n, dtype=dtype)
     if with_master:
         state[:n].copy_(master)
     return state
@@ -76,7 +77,8 @@ def initial_state(master: torch.Tensor, *, with_master: bool) -> torch.Tensor:
 def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp: AdamW, params: ParamWriter,
                   counts: StepCounts, *, lr: float, grad_scale: float,
                   grads: list[list[torch.Tensor]] | None = None,
-                  idle: Mapping[int, frozenset[int]] | None = None) -> None:
+                  idle: Mapping[int, frozenset[int]] | None = None,
+                  rounding: StochasticRounding | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -90,6 +92,8 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     `grads`: the chunks' gradients handed over in memory, each chunk's as flat pieces covering it in
     order (`FlatUnit.gradient_pieces`; read only); without them they are read from the store (and
     dropped from it after the update).
+    `rounding`: the states are bf16 (`Config.state_dtype`): each chunk's are updated in fp32 copies
+    and rounded back stochastically (runtime/stochastic_rounding.py).
     """
     stored = grads is None
     assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
@@ -106,6 +110,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             grads = [[fetch(c.grad_key, changed=False)] for c in chunks]
         masters: list[torch.Tensor] = []
         groups: dict[float, _Group] = {}  # by weight decay
+        rounded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bf16 storage, its fp32 copy)
         for c, st, parts in zip(chunks, states, grads, strict=True):
             if c.unit.master_is_param:
                 master = params.master(c)
@@ -113,6 +118,10 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             else:
                 master, m, v = st.chunk(3)
             masters.append(master)
+            if rounding is not None:  # fp32 copies of what is stored in bf16 (an fp32 master is its own)
+                copies = [t.float() for t in (master, m, v)]
+                rounded += [(t, w) for t, w in zip((master, m, v), copies, strict=True) if t.dtype == torch.bfloat16]
+                master, m, v = copies
             unit, sitting_out = c.unit.index, (idle or {}).get(c.unit.index, frozenset())
             decays = hp.decays(c) if hp.no_decay else None
             ranges = c.slot_ranges() if decays is not None else []
@@ -143,6 +152,9 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             torch._fused_adamw_(g.masters, g.grads, g.exp_avgs, g.exp_avg_sqs, [], g.steps, lr=lr,
                                 beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=weight_decay, eps=hp.eps,
                                 amsgrad=False, maximize=False)
+        for storage, updated in rounded:
+            assert rounding is not None
+            rounding.round_into(storage, updated)
         for c, master in zip(chunks, masters, strict=True):
             params.write(c, master)
     finally:

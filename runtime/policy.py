@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # resolved on use, so that the command line loads without tor
 OFFLOADS = ("none", "cpu", "nvme")  # the names `offload_params` and `offload_optimizer` take
 TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # name: (torch's, bytes)
+STATE_DTYPES = ("fp32", "bf16")  # what optimizer states may be stored in (`Config.state_dtype`)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -77,6 +78,7 @@ class StatePolicy:
     sub_group_size: int
     clipping: bool
     grad_accumulation: int = 1
+    state_dtype: str = "fp32"  # the optimizer states' storage: "fp32" or "bf16"
     # This torch can swap two storages' memory (runtime/storage_swap.py), so one rank borrows stored
     # shards; `outcore estimate` assumes a torch that can.
     storage_swap: bool = True
@@ -89,7 +91,8 @@ class StatePolicy:
         policy = cls(world=world, stage=config.stage, offload_params=config.offload_params,
                      offload_optimizer=config.offload_optimizer, dtype=config.dtype, device_type=device_type,
                      prefetch_depth=config.prefetch_depth, sub_group_size=config.sub_group_size,
-                     clipping=config.grad_clip is not None, grad_accumulation=config.grad_accumulation)
+                     clipping=config.grad_clip is not None, grad_accumulation=config.grad_accumulation,
+                     state_dtype=config.state_dtype)
         if policy.borrowing and not storage_swap_available():  # asked (and said) only where it matters
             policy = replace(policy, storage_swap=False)
         return policy
@@ -130,7 +133,8 @@ class StatePolicy:
 
     @property
     def master_is_param(self) -> bool:
-        """Whether a unit's fp32 parameter shard is its master weights, updated in place.
+        """Whether a unit's parameter shard is its master weights, updated in place: in fp32, and in
+        bf16 with bf16 optimizer states.
 
         In fp32 the master would repeat the parameters byte for byte: one copy fewer to store, read,
         write and refresh after each update. The update fetches the parameter shard to where it
@@ -139,7 +143,13 @@ class StatePolicy:
         """
         on_gpu_apart = (self.device_type == "cuda" and self.offload_params == "none"
                         and self.offload_optimizer != "none")
-        return self.dtype == "fp32" and not on_gpu_apart
+        # bf16 states: a bf16 parameter shard is as precise as a bf16 master would be
+        return (self.dtype == "fp32" or (self.dtype == "bf16" and self.state_dtype == "bf16")) and not on_gpu_apart
+
+    @property
+    def state_elem(self) -> int:
+        """Bytes per element of a stored optimizer state (a moment, or a master kept apart)."""
+        return 2 if self.state_dtype == "bf16" else 4
 
     @property
     def device_window(self) -> int:
@@ -188,7 +198,7 @@ class StatePolicy:
         torch.optim.AdamW(fused=True) does: run during backward, the updates would only take cores
         from it, with no I/O to hide, and a copy of each gradient into the store would only cost."""
         return (self.aliased and self.offload_optimizer == "none" and self.dtype == "fp32"
-                and self.grad_accumulation == 1 and not self.clipping)
+                and self.state_dtype == "fp32" and self.grad_accumulation == 1 and not self.clipping)
 
     @property
     def needs_norm(self) -> bool:

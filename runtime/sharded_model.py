@@ -114,6 +114,11 @@ class ShardedModel:
     guard: StateDictGuard = field(default_factory=StateDictGuard)
     writer_lock: WriterLock = field(default_factory=WriterLock)  # the checkpoint directory it saves into
 
+    @property
+    def store_state_dtype(self) -> str:
+        """What the optimizer states are stored in: "fp32" or "bf16" (`Config.state_dtype`)."""
+        return "fp32" if self.updates.rounding is None else "bf16"
+
     def settle(self) -> None:
         self.updates.drain()
 

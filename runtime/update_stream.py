@@ -28,6 +28,7 @@ from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
 from outcore.runtime.policy import HANDED_OVER, Placement
 from outcore.runtime.step_counts import StepCounts
+from outcore.runtime.stochastic_rounding import StochasticRounding
 
 
 class Halted(RuntimeError):
@@ -38,8 +39,9 @@ class UpdateStream:
     """Owns the optimizer thread, the updates in flight and the units' step counts."""
 
     def __init__(self, units: list[FlatUnit], store: TieredStore, place: Placement, hp: AdamW, *,
-                 read_ahead: int, nice: int) -> None:
+                 read_ahead: int, nice: int, rounding: StochasticRounding | None = None) -> None:
         self.units, self.store, self.place, self.hp = units, store, place, hp
+        self.rounding = rounding  # bf16 optimizer states: updated in fp32, rounded back
         self.depth = max(1, read_ahead)  # chunks: runtime/memory_plan.py [Note: optimizer read-ahead]
         self.counts = StepCounts(len(units))  # optimizer updates each unit, and parameter, has taken
         self.seconds = 0.0  # time spent in updates, either way in
@@ -94,12 +96,12 @@ class UpdateStream:
         self.check()
         idle = dict(idle or {})  # by value: the caller's window resets while these updates run
         chunks = [c for u in units for c in u.chunks]
-        if self.place.opt_tier == self.place.work_tier == Tier.DEVICE:  # nothing to stream: one fused call
+        if self.place.opt_tier == self.place.work_tier == Tier.DEVICE and self.rounding is None:  # one fused call
             t0 = time.perf_counter()
             grads = [pieces for u in units for pieces in kept[u.index]] if kept is not None else None
             with ParamWriter(self.store, self.place) as params:
                 update_chunks(chunks, self.store, self.place, self.hp, params, self.counts, lr=lr,
-                              grad_scale=coef, grads=grads, idle=idle)
+                              grad_scale=coef, grads=grads, idle=idle, rounding=self.rounding)
             for u in units:
                 self.counts.advance(u.index, len(u.plan.slots), idle.get(u.index, ()))
             self.seconds += time.perf_counter() - t0
@@ -236,7 +238,8 @@ class UpdateStream:
                     keys += [c.opt_key for c in then[: max(0, i + 1 + self.depth - len(order))]]
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, self.counts, lr=lr,
-                              grad_scale=coef, grads=None if grad is None else [grad[chunk.index]], idle=idle)
+                              grad_scale=coef, grads=None if grad is None else [grad[chunk.index]], idle=idle,
+                              rounding=self.rounding)
                 unit = chunk.unit
                 if chunk is unit.chunks[-1]:
                     self.counts.advance(unit.index, len(unit.plan.slots), idle.get(unit.index, ()))

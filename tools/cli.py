@@ -105,7 +105,8 @@ def _train(args: argparse.Namespace) -> int:
                         train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
                         eval_split=args.eval_split, out=args.out,
                         nvme_dir=args.nvme_dir, offload_params=args.offload_params,
-                        offload_optimizer=args.offload_optimizer, dtype=args.dtype, batch=args.batch, seq=args.seq,
+                        offload_optimizer=args.offload_optimizer, dtype=args.dtype, state_dtype=args.state_dtype,
+                        batch=args.batch, seq=args.seq,
                         lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,
                         device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
                         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
@@ -172,10 +173,12 @@ def _estimate(args: argparse.Namespace) -> int:
     settings = legal_settings(args.stage, args.offload_params, args.offload_optimizer)
     if not settings:
         raise UsageError("no legal setting matches: parameter offload needs --stage 3.")
-    rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, prefetch_depth=args.prefetch_depth,
+    rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, state_dtype=args.state_dtype,
+                          prefetch_depth=args.prefetch_depth,
                           sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None, device=args.device,
                           **layout)
-    print(f"{what}, {args.dtype}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
+    states = ", optimizer states in bf16" if args.state_dtype == "bf16" else ""
+    print(f"{what}, {args.dtype}{states}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
     table(["stage", "params", "optimizer", "device", "host", "nvme", "min device", "min host"],
           [[r["stage"], r["offload_params"], r["offload_optimizer"], human_bytes(r["device"]["total"]),
             human_bytes(r["host"]["total"]), human_bytes(r["nvme"]["total"]), human_bytes(r["device_min"]),
@@ -207,7 +210,8 @@ def _estimate(args: argparse.Namespace) -> int:
         print(f"train_batch of {args.accumulate} micro-batches of {args.batch or 1} x {seq}: "
               f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
               "within the budgets above")
-    write_json(args.json, {"model": what, "dtype": args.dtype, "world_size": args.world_size, "units": units,
+    write_json(args.json, {"model": what, "dtype": args.dtype, "state_dtype": args.state_dtype,
+                           "world_size": args.world_size, "units": units,
                            "rows": rows, "train_batch_activation_bytes": activations,
                            "activation_rows": step_rows})
     return EXIT_OK

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
-from outcore.runtime.policy import OFFLOADS
+from outcore.runtime.policy import OFFLOADS, STATE_DTYPES
 from outcore.tools.presets import PRESETS
 from outcore.tools.units import (
     int_in,
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-optimizer", choices=OFFLOADS, help="where the fp32 master weights and Adam moments "
                    "rest (default: the least that fits free memory)")
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
+    t.add_argument("--state-dtype", choices=STATE_DTYPES, help="Adam moments (and a master kept apart from the "
+                   "parameters) in fp32, or in bf16: half the optimizer's bytes, rounded stochastically "
+                   "(default: the config's, fp32)")
     t.add_argument("--batch", type=positive_int, default=8, help="sequences per micro-batch (default 8)")
     t.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")
     t.add_argument("--accumulate", type=positive_int, metavar="K",
@@ -182,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=positive_int, default=1,
                    help="data-parallel ranks the states are sharded over (default 1)")
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
+                   help="optimizer states in fp32 or bf16 (default fp32)")
     e.add_argument("--stage", type=int, choices=(1, 2, 3), help="one ZeRO stage (default: every stage)")
     e.add_argument("--offload-params", choices=OFFLOADS, help="one placement of the parameter shards (default: "
                    "every one the stage allows)")

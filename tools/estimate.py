@@ -23,7 +23,7 @@ def legal_settings(stage: int | None = None, offload_params: str | None = None,
     return out
 
 
-def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", stage: int = 3,
+def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", state_dtype: str = "fp32", stage: int = 3,
              offload_params: str = "none", offload_optimizer: str = "none", prefetch_depth: int = 2,
              sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0, device: str = "cuda",
              grad_accumulation: int = 1, frozen: list[bool] | None = None, roots: list[bool] | None = None,
@@ -38,7 +38,8 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
     policy = StatePolicy(world=world, stage=stage, offload_params=offload_params,
                          offload_optimizer=offload_optimizer, dtype=dtype, device_type=device,
                          prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
-                         clipping=grad_clip is not None, grad_accumulation=grad_accumulation)
+                         clipping=grad_clip is not None, grad_accumulation=grad_accumulation,
+                         state_dtype=state_dtype)
     plan = plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules, outer=outer),
                        policy)
     return plan.at_default_budgets()

@@ -64,6 +64,7 @@ class TrainOptions:
     offload_params: str | None = None  # None: chosen from free memory
     offload_optimizer: str | None = None
     dtype: str | None = None  # None: bf16 where native, else fp32
+    state_dtype: str | None = None  # None: the config's (fp32)
     batch: int = 8
     seq: int | None = None  # None: the preset's context length
     lr: float | None = None
@@ -125,7 +126,8 @@ def build_config(opts: TrainOptions, units: list[int],
     notes = []
     values = runtime.Config.file_values(opts.config) if opts.config else {}
     values.update({k: v for k, v in {
-        "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "host_budget": opts.host_budget,
+        "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "state_dtype": opts.state_dtype,
+        "host_budget": opts.host_budget,
         "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
         "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer,
         "collective_timeout": opts.collective_timeout}.items() if v is not None})
@@ -297,8 +299,9 @@ def _train(opts: TrainOptions, report) -> dict:
             meta = engine.load_checkpoint(ckpt_dir, opts.resume_tag)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        # weights, and for the trainable ones fp32 gradients, master and moments
-        state_bytes = job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12)
+        # weights, and for the trainable ones fp32 gradients, master and moments (bf16 states: half)
+        bf16_states = config.state_dtype == "bf16"
+        state_bytes = job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12 // (2 if bf16_states else 1))
         trainable = "" if job.trainable == job.params else f", {human_count(job.trainable)} of them trained"
         report(f"outcore train: {job.name}, {human_count(job.params)} parameters{trainable} "
                f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
