@@ -8,6 +8,7 @@
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
 no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe), and
 `nvme-vertical` (as nvme-noclip, each step one `train_batch` of `--accumulate` micro-batches).
+An engine kind ending in `+bf16` keeps its optimizer states in bf16 (`Config.state_dtype`).
 Ratios are against the first kind listed.
 
 Every configuration runs in its own process, so that its peak RSS is its own; configurations are
@@ -108,9 +109,10 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             times.append(time.perf_counter() - t0)
             usage.append(_usage())
     else:
-        clip = 1.0 if kind == "nvme-clip" else None
-        vertical = kind == "nvme-vertical"
-        offload = "none" if kind == "ram" else "nvme"
+        base, _, states = kind.partition("+")
+        clip = 1.0 if base == "nvme-clip" else None
+        vertical = base == "nvme-vertical"
+        offload = "none" if base == "ram" else "nvme"
         with runtime.deferred_init():
             model = GPT(cfg, checkpoint_activations=checkpoint)
         from outcore.tools.gpt import init_fn
@@ -119,7 +121,7 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             # DEVICE and HOST budgets of `budget` bytes (HOST: `host_budget` if given): the store pages
             # the rest through NVMe.
             conf = runtime.Config(stage=3, offload_params=offload, offload_optimizer=offload, nvme_dir=d,
-                                  grad_clip=clip, prefetch_depth=2, dtype=dtype,
+                                  grad_clip=clip, prefetch_depth=2, dtype=dtype, state_dtype=states or "fp32",
                                   grad_accumulation=1 if vertical else accumulate,
                                   device_budget=budget if offload == "nvme" else None,
                                   host_budget=(host_budget or budget) if offload == "nvme" else None,  # None: derived
@@ -256,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.makedirs(args.dir, exist_ok=True)
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        unknown = set(kinds) - {"plain", "ram", "nvme-noclip", "nvme-clip", "nvme-vertical"}
+        engine_kinds = {"ram", "nvme-noclip", "nvme-clip", "nvme-vertical"}
+        unknown = set(kinds) - {"plain", *engine_kinds, *(k + "+bf16" for k in engine_kinds)}
         if unknown or ("plain" in kinds and args.dtype != "fp32"):
             p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip, nvme-vertical")
         for _ in range(args.rounds):
