@@ -119,8 +119,10 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
                 master, m, v = st.chunk(3)
             masters.append(master)
             if rounding is not None:  # fp32 copies of what is stored in bf16 (an fp32 master is its own)
-                copies = [t.float() for t in (master, m, v)]
-                rounded += [(t, w) for t, w in zip((master, m, v), copies, strict=True) if t.dtype == torch.bfloat16]
+                assert len(chunks) == 1, "bf16 states are updated a chunk at a time (runtime/update_stream.py)"
+                copies = [rounding.widen(t, slot) if t.dtype == torch.bfloat16 else t
+                          for slot, t in enumerate((master, m, v))]
+                rounded += [(t, w) for t, w in zip((master, m, v), copies, strict=True) if t is not w]
                 master, m, v = copies
             unit, sitting_out = c.unit.index, (idle or {}).get(c.unit.index, frozenset())
             decays = hp.decays(c) if hp.no_decay else None
