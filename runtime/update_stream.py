@@ -88,7 +88,8 @@ class UpdateStream:
         `kept`: the gradients in memory, per unit and chunk (`StatePolicy.step_in_memory`), else
         in the store.
 
-        States on DEVICE take one fused call, here, as torch.optim.AdamW(fused=True) does. The
+        States on DEVICE take one fused call, here, as torch.optim.AdamW(fused=True) does (bf16
+        states one a chunk, so that their fp32 copies are one chunk's). The
         others go to the optimizer thread chunk by chunk, and each unit's future completes as its
         last chunk is written; so do states resting in HOST beside the work, since one call would
         hold every unit's states, gradient and master at once, past the least host budget
@@ -96,12 +97,15 @@ class UpdateStream:
         self.check()
         idle = dict(idle or {})  # by value: the caller's window resets while these updates run
         chunks = [c for u in units for c in u.chunks]
-        if self.place.opt_tier == self.place.work_tier == Tier.DEVICE and self.rounding is None:  # one fused call
+        if self.place.opt_tier == self.place.work_tier == Tier.DEVICE:  # nothing to stream: one fused call
             t0 = time.perf_counter()
             grads = [pieces for u in units for pieces in kept[u.index]] if kept is not None else None
+            assert grads is None or self.rounding is None, "bf16 states keep no gradient in memory (StatePolicy)"
             with ParamWriter(self.store, self.place) as params:
-                update_chunks(chunks, self.store, self.place, self.hp, params, self.counts, lr=lr,
-                              grad_scale=coef, grads=grads, idle=idle, rounding=self.rounding)
+                # bf16 states: a chunk at a time, so that their fp32 copies stay one chunk's
+                for part in [chunks] if self.rounding is None else [[c] for c in chunks]:
+                    update_chunks(part, self.store, self.place, self.hp, params, self.counts, lr=lr,
+                                  grad_scale=coef, grads=grads, idle=idle, rounding=self.rounding)
             for u in units:
                 self.counts.advance(u.index, len(u.plan.slots), idle.get(u.index, ()))
             self.seconds += time.perf_counter() - t0
