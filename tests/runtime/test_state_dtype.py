@@ -153,3 +153,43 @@ def test_train_takes_state_dtype(tmp_path, monkeypatch):
 def test_an_unknown_state_dtype_is_refused():
     with pytest.raises(ValueError, match="state_dtype='fp16': use one of fp32, bf16"):
         outcore.Config(state_dtype="fp16")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_bf16_states_under_half_precision_compute(tmp_path, dtype):
+    """fp16 keeps a master apart, [master|m|v] in bf16; bf16 compute's parameters are the master."""
+    engine, bf16 = run(tmp_path, "bf16", "nvme", dtype=dtype)
+    unit = engine.units[0]
+    assert unit.master_is_param == (dtype == "bf16")
+    state = engine.store.fetch_now(unit.chunks[0].opt_key, Tier.HOST)
+    assert state.dtype == torch.bfloat16 and state.numel() == (2 if dtype == "bf16" else 3) * unit.chunks[0].numel
+    engine.store.release(unit.chunks[0].opt_key)
+    engine.close()
+    fp32_engine, fp32 = run(tmp_path, "fp32", "nvme", dtype=dtype)
+    fp32_engine.close()
+    assert bf16 == pytest.approx(fp32, rel=3e-2)
+
+
+def test_train_batch_with_bf16_states_equals_its_micro_steps(tmp_path):
+    """train_batch of K against K backward calls with grad_accumulation=K: the same updates, so the
+    same draws of the rounding generator and the same values."""
+    data = batches(6, batch=2)
+
+    def make(accumulate: int) -> outcore.Engine:
+        torch.manual_seed(0)
+        cfg = outcore.Config(state_dtype="bf16", offload_params="cpu", offload_optimizer="cpu",
+                             grad_accumulation=accumulate)
+        return outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
+
+    vertical = make(1)
+    batched = [vertical.train_batch(data[i : i + 2])["losses"] for i in (0, 2, 4)]
+    vertical.close()
+    stepped = make(2)
+    losses = []
+    for x, y in data:
+        loss = stepped(x, y)
+        stepped.backward(loss)
+        stepped.step()
+        losses.append(float(loss.detach()))
+    stepped.close()
+    assert [loss for pair in batched for loss in pair] == pytest.approx(losses, rel=1e-5)
