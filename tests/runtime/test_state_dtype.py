@@ -10,6 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import train_engine  # noqa: E402
 from models import TinyGPT, batches  # noqa: E402
 
 import outcore  # noqa: E402
@@ -35,18 +36,17 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert torch.equal(out.float(), exact)
 
 
+def train(engine: outcore.Engine, data) -> list[float]:
+    """A forward, backward and step per batch; the losses."""
+    return train_engine(None, None, data, engine=engine)[0]
+
+
 def run(tmp_path, state_dtype: str, offload: str = "nvme", dtype: str = "fp32", steps: int = 12):
     torch.manual_seed(0)
     cfg = outcore.Config(state_dtype=state_dtype, dtype=dtype, offload_params=offload, offload_optimizer=offload,
                          nvme_dir=str(tmp_path / f"nvme-{state_dtype}-{offload}-{dtype}"))
     engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
-    losses = []
-    for x, y in batches(steps):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return engine, losses
+    return engine, train(engine, batches(steps))
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
@@ -103,15 +103,6 @@ def test_a_bf16_checkpoint_resumes_exactly_and_converts_both_ways(tmp_path, capl
         cfg = outcore.Config(state_dtype=state_dtype, offload_params="nvme", offload_optimizer="nvme",
                              nvme_dir=str(tmp_path / f"nvme-{state_dtype}"))
         return outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
-
-    def train(engine: outcore.Engine, part) -> list[float]:
-        out = []
-        for x, y in part:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            out.append(float(loss.detach()))
-        return out
 
     for saved in ("bf16", "fp32"):
         engine = make(saved)
@@ -185,11 +176,6 @@ def test_train_batch_with_bf16_states_equals_its_micro_steps(tmp_path):
     batched = [vertical.train_batch(data[i : i + 2])["losses"] for i in (0, 2, 4)]
     vertical.close()
     stepped = make(2)
-    losses = []
-    for x, y in data:
-        loss = stepped(x, y)
-        stepped.backward(loss)
-        stepped.step()
-        losses.append(float(loss.detach()))
+    windows, _ = train_engine(None, None, data, accum=2, engine=stepped)  # each window's mean loss
     stepped.close()
-    assert [loss for pair in batched for loss in pair] == pytest.approx(losses, rel=1e-5)
+    assert [sum(pair) / 2 for pair in batched] == pytest.approx(windows, rel=1e-5)
