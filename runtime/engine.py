@@ -296,9 +296,9 @@ class Engine:
             self.phase = Phase.IDLE
             self._end_micro_step()
 
-    def _abandon_micro_step(self, error: BaseException | None) -> None:
-        """A backward pass (or a train_batch) raised: put the engine back as before it, or, where
-        that cannot be done, stop it ([Note: a failed micro-step])."""
+    def _abandon_micro_step(self, error: BaseException | None, failed: str = "a backward pass") -> None:
+        """A backward pass (or a whole train_batch: `failed` names it) raised: put the engine back as
+        before it, or, where that cannot be done, stop it ([Note: a failed micro-step])."""
         self.phase = Phase.IDLE
         self._plain_backward = False
         self._watch.forget()
@@ -308,12 +308,12 @@ class Engine:
         what = f"{type(error).__name__}" if error is not None else "a loss.backward() the caller caught"
         if self.group.world > 1:
             give_up_group()  # the others learn of it now, not at their collective's timeout
-            why = (f"rank {self.group.rank}: a backward pass failed partway ({what}), so the ranks' collectives are "
+            why = (f"rank {self.group.rank}: {failed} failed partway ({what}), so the ranks' collectives are "
                    "no longer in step and this process group cannot go on. Restart every rank and resume from the "
                    "last checkpoint (engine.load_checkpoint()).")
             self.updates.halt(why, error)
         elif undone is Undone.NOTHING:
-            why = (f"a backward pass failed partway ({what}) after some units' updates had started beside it "
+            why = (f"{failed} failed partway ({what}) after some units' updates had started beside it "
                    "(no clipping and no fp16: each update starts as soon as its unit's gradient is final), so "
                    "those units' parameters and optimizer states moved on and the others did not. This engine "
                    "will not step, save or export from that state: engine.load_checkpoint() restores the last "
@@ -323,7 +323,7 @@ class Engine:
             why = ("the engine is as before that micro-step" if undone is Undone.PASS else
                    "its gradients were already summed into those of the window's earlier micro-steps, so the "
                    "whole accumulation window was dropped; the next backward starts a new one")
-            why = f"a backward pass failed partway ({what}): {why}."
+            why = f"{failed} failed partway ({what}): {why}."
         log.warning("%s", why)
         if error is not None:
             error.add_note(f"outcore: {why}")
@@ -373,7 +373,7 @@ class Engine:
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 (total * self.scaler.scale if self.scaler.enabled else total).backward()
         except BaseException as error:
-            self._abandon_micro_step(error)
+            self._abandon_micro_step(error, "a train_batch")
             raise
         finally:
             self.phase = Phase.IDLE

@@ -145,9 +145,11 @@ def test_a_failed_train_batch_backward_is_undone(tmp_path):
         for step in range(3):
             if fail and step == 1:
                 hook = failing_after(model.blocks[1], KeyboardInterrupt())
-                with pytest.raises(KeyboardInterrupt):
+                with pytest.raises(KeyboardInterrupt) as raised:
                     engine.train_batch([data[0], data[1]])
                 hook.remove()
+                assert raised.value.__notes__ == ["outcore: a train_batch failed partway (KeyboardInterrupt): the "
+                                                  "engine is as before that micro-step."]
                 engine.save_checkpoint(str(tmp_path / str(fail) / "ckpt"))
             stats = engine.train_batch(data[2 * step : 2 * step + 2])
             out.append((stats["losses"], stats["grad_norm"]))
