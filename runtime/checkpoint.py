@@ -139,11 +139,11 @@ def _begin(sm: ShardedModel, directory: str, tag: str) -> str:
             os.mkdir(tmp)  # exclusively: the name is this save's alone
         except (OSError, StorageError) as e:
             error = e
-    shared = gather_objects(tmp if error is None else f"error: {error}", sm.group)[0]
+    shared, failed = gather_objects((tmp, None if error is None else str(error)), sm.group)[0]
     if error is not None:
         raise error
-    if shared.startswith("error: "):
-        raise StorageError(f"rank 0 could not start the save: {shared[len('error: '):]}")
+    if failed is not None:
+        raise StorageError(f"rank 0 could not start the save: {failed}")
     return shared
 
 

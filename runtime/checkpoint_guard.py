@@ -20,6 +20,7 @@ import re
 import shutil
 
 from outcore.offload.scratch_dir import DirectoryLock
+from outcore.runtime.written_files import nearest_existing
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,7 @@ class WriterLock:
 def refuse_a_file_in_the_way(directory: str) -> None:
     """A file where the checkpoint directory, or a folder above it, should be: one clear error before
     any rank writes (otherwise the save fails on its first mkdir with a bare "File exists")."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
+    path = nearest_existing(directory)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {directory!r}: {path!r} is a file; name a directory.")
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from outcore.offload import StorageError
-from outcore.runtime.written_files import link_tree, replace_whole, unique_name
+from outcore.runtime.written_files import link_tree, nearest_existing, replace_whole, unique_name
 
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """The files of a Hugging Face directory's weights, as ShardedSafetensorsWriter names them."""
@@ -46,9 +46,7 @@ def check_export_path(out: str) -> None:
     elif os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"export {out!r} is a file; name a directory for the Hugging Face layout, or a "
                          ".safetensors file.")
-    folder = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(folder):  # the folders the export makes (as save_pretrained does)
-        folder = os.path.dirname(folder)
+    folder = nearest_existing(os.path.dirname(os.path.abspath(out)))  # the export makes the rest, as save_pretrained
     if not os.path.isdir(folder):
         raise ValueError(f"export {out!r} cannot be made: {folder!r} is a file, not a folder.")
 

@@ -320,7 +320,7 @@ class GradientPath:
         """A backward pass raised partway: undo what it did to the window ([Note: a failed micro-step]).
         Returns what was undone; the caller releases the units and, for `Undone.NOTHING`, stops
         the engine until a checkpoint is loaded."""
-        now, before = self.backward_pass, self.backward_pass.before or self.window.bookmark()
+        now, before = self.backward_pass, self.backward_pass.before or self.window  # None: no gradient came
         self.backward_pass = BackwardPass()
         if now.streamed:
             return Undone.NOTHING

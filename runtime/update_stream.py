@@ -157,8 +157,7 @@ class UpdateStream:
         """Something beside the updates left the states unfit to go on from (`why` says what, and
         what to do): wait for the updates in flight, then refuse every later use, as after a failed
         update, until a checkpoint load succeeds."""
-        self._take_all()
-        self._behind_backward.clear()
+        self.abandon()
         if self.failed is None:
             self.failed = Halted(why)
             self.failed.__cause__ = cause

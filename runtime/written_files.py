@@ -34,6 +34,14 @@ def unique_name(path: str, suffix: str = ".tmp") -> str:
     return os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
 
 
+def nearest_existing(path: str) -> str:
+    """`path`, or the nearest folder above it that exists (where the folders to make would start)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def create_file(path: str, mode: int = 0o644) -> int:
     """A new file at `path` (refused if anything, a link included, is there); returns its fd."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
