@@ -140,6 +140,9 @@ class Moves(StoreCore):
 
     def _read_into(self, rec: KeyRecord, buf: HostBuffer, tier: Tier | None) -> None:
         try:
+            if rec.source is not None:  # offload/file_source.py [Note: read in place]
+                rec.source.read_into(buf.view(rec.nbytes, rec.dtype, (rec.source.numel,)), self._engine)
+                return
             self._swap.read(rec.key, buf.array).wait()
         except BaseException:
             self._free(tier or Tier.HOST, buf)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the tiers are torch-free, for the command line's torch-free
     import torch
 
     from outcore.offload.buffers import Buffer
+    from outcore.offload.file_source import FileSource
 
 
 class Tier(enum.IntEnum):
@@ -85,6 +86,9 @@ class KeyRecord:
     # The owner's hint: after a dirty release that leaves it unpinned, send it back to `home` at
     # once rather than when the store next needs the room (optimizer states streamed through HOST).
     return_home: bool = False
+    # Read from files the store does not own (offload/file_source.py [Note: read in place]), never
+    # written: such a key is never dirty.
+    source: FileSource | None = None
 
     def to(self, new: Residency) -> None:
         assert new in LEGAL[self.state], f"{self.key!r}: illegal residency change {self.state} -> {new}"

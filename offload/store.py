@@ -27,6 +27,7 @@ from outcore.offload.buffer_pool import HostBufferPool
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import StorageError
 from outcore.offload.exit_close import close_at_exit, forget
+from outcore.offload.file_source import FileSource
 from outcore.offload.handle import Handle, handle_of
 from outcore.offload.io_config import IOConfig, round_up
 from outcore.offload.moves import Moves
@@ -118,6 +119,21 @@ class TieredStore(Moves, Writes, Budgets):
             raise
         return StagedPut(self, rec, old, tier, buf)
 
+    def put_source(self, key: str, source: FileSource, dtype: torch.dtype) -> None:
+        """Store `key` as `source.numel` elements of `dtype` read from files the store does not own
+        (offload/file_source.py [Note: read in place]): resting on NVMe without a byte written, read
+        and converted to `dtype` by each fetch that brings it into memory, and never changed (a
+        dirty release of it is an error). An existing key is replaced; it must not be pinned."""
+        rec = KeyRecord(key, source.numel * dtype.itemsize, dtype, (source.numel,), Residency.NVME, source=source)
+        with self._cond:
+            self._check_open()
+            old = self._settled(key)
+            if old is not None and old.buffer is not None:
+                self._free(old.stable_tier, old.buffer)
+            self._swap.discard(key)
+            self._records[key] = rec
+            self._cond.notify_all()
+
     def _commit_put(self, staged: StagedPut) -> Handle:
         rec, buf, old = staged.record, staged.buffer, staged.old
         tail = round_up(rec.nbytes) - rec.nbytes
@@ -188,6 +204,9 @@ class TieredStore(Moves, Writes, Budgets):
             rec = self._record(key)
             if rec.pins == 0:
                 raise ValueError(f"release({key!r}) without a matching fetch.")
+            if dirty and rec.source is not None:
+                raise ValueError(f"release({key!r}, dirty=True): the key is read from files outcore does not own "
+                                 "(put_source) and is never changed; put() a new value instead.")
             rec.pins -= 1
             rec.dirty |= dirty
             rec.last_use = next(self._clock)

@@ -42,6 +42,7 @@ from outcore.runtime.checkpoint_guard import (
 )
 from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.collectives import barrier, gather_objects
+from outcore.runtime.frozen_in_place import checksums
 from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 from outcore.runtime.written_files import create_file, unique_name
@@ -57,7 +58,9 @@ def _layout(sm: ShardedModel) -> list[dict]:
     return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
              "frozen": u.frozen, "chunks": [[c.start, c.end] for c in u.chunks],
              "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
-                        for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)]}
+                        for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)],
+             # a frozen unit read where the weights lie: where, in place of its bytes
+             **({"in_place": u.in_place.as_json()} if u.in_place is not None else {})}
             for u in sm.units]
 
 
@@ -110,6 +113,9 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "state_dict_keys": sm.state_dict_keys, **progress.get("model_record", {}),
                     "state_dtype": sm.store_state_dtype,
                     "client_state": client_state, "files": dict(crcs)}
+            read = {f: stamp for u in sm.units if u.in_place is not None for f, stamp in u.in_place.stamps.items()}
+            if read:
+                meta["weights_files"] = checksums(read)
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
         if sm.group.rank == 0:
@@ -152,7 +158,7 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
     store, place = sm.store, sm.place
     chunks = [c for u in sm.units for c in u.chunks]
     buffers = {BUFFER_PREFIX + k: v.contiguous() for k, v in sm.buffers().items()}
-    frozen = [u for u in sm.units if u.frozen]
+    frozen = [u for u in sm.units if u.frozen and u.in_place is None]  # the others: meta.json says where
     rounding = sm.updates.rounding
     extra = {ROUNDING_STATE: rounding.state()} if rounding is not None else {}
     # Always fp32 [master|m|v]: one layout for export and resharding to read; bf16 states widen exactly.
@@ -168,7 +174,7 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
             writer.write(u.param_key, shard)
         finally:
             store.release(u.param_key)
-    for u in sm.units:
+    for u in (u for u in sm.units if u.chunks):  # (a frozen unit has no optimizer state)
         # fp32: the master is the parameter shard, and the state holds [m|v] after it.
         lent = u.master_is_param and not u.aliased
         master: torch.Tensor | None = None
@@ -319,13 +325,17 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
         with ParamWriter(store, place, in_place=False) as params:
             for u in sm.units:
                 base = rank * u.layout.shard
-                if u.frozen:
+                spans = shards.in_place(u.index) if u.frozen else None
+                if spans is not None and not u.aliased:  # read where the weights lie, as the checkpoint's run did
+                    store.put_source(u.param_key, spans.source(base, base + u.layout.shard), u.dtype)
+                elif u.frozen:
                     values = shards.params(u.index, base, base + u.layout.shard).to(u.dtype)
                     if u.aliased:  # the stored shard is the live flat buffer
                         with torch.no_grad():
                             u.flat.copy_(values)
                     else:
                         store.put(u.param_key, values, place.param_tier)
+                u.in_place = None if u.aliased else spans
                 for c in u.chunks:
                     master, m, v = (shards.state(u.index, base + c.start, base + c.end, part)
                                     for part in (MASTER, EXP_AVG, EXP_AVG_SQ))

@@ -3,9 +3,12 @@
 A checkpoint cuts each unit by the unit layout (its parameters' offsets in the flat buffer), and
 each of its N rank files holds that rank's shard: per optimizer chunk `u<i>.opt<c>` the fp32
 `[master | exp_avg | exp_avg_sq]` of elements [shard·r + start, shard·r + end), and for a frozen
-unit its parameters `u<i>.param` in the compute dtype. `CheckpointShards` reassembles elements
-[lo, hi) of the whole unit from the files that hold them, so that M ranks can resume what N wrote
-(each reads the pieces of its own new shard) and `outcore export` can rebuild each parameter.
+unit its parameters `u<i>.param` in the compute dtype, unless the unit was read where the weights
+lie: meta.json then records its spans of the weights files and their checksums
+(runtime/frozen_in_place.py), and they are read from there once the checksums match.
+`CheckpointShards` reassembles elements [lo, hi) of the whole unit from the files that hold them,
+so that M ranks can resume what N wrote (each reads the pieces of its own new shard) and
+`outcore export` can rebuild each parameter.
 Elements past the unit's parameters are padding and read as zeros. Only the slices needed are read.
 """
 
@@ -16,6 +19,9 @@ from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
+
+from outcore.offload.file_source import FileStamp
+from outcore.runtime.frozen_in_place import UnitSpans, spans_from_json, verified_stamps
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
 
@@ -28,12 +34,30 @@ class CheckpointShards:
         self.world = int(meta["world_size"])
         self._verify = verify
         self._files: dict[int, object] = {}
+        self._in_place: dict[int, UnitSpans] = {}
+        self._stamps: dict[str, FileStamp] = {}  # weights files found to hold what the checkpoint recorded
 
     def open_for(self, spans: list[tuple[int, int, int]]) -> None:
         """Open (so verify) every rank file that holds some of `spans` (unit index, lo, hi), and rank
         0's (the buffers): a loader checks what it will read before it overwrites anything."""
         for rank in sorted({0} | {r for index, lo, hi in spans for r in self._ranks(index, lo, hi)}):
             self._file(rank)
+        for index, _, _ in spans:
+            self.in_place(index)
+
+    def in_place(self, index: int) -> UnitSpans | None:
+        """Where frozen unit `index` lies in the weights files, when the checkpoint refers to them
+        instead of holding its bytes; its files are checked against their recorded checksums first
+        (a ValueError naming one that differs)."""
+        entries = self.meta["units"][index].get("in_place")
+        if not entries:
+            return None
+        if index not in self._in_place:
+            files = sorted({e["file"] for e in entries})
+            unchecked = {f: self.meta["weights_files"][f] for f in files if f not in self._stamps}
+            self._stamps.update(verified_stamps(unchecked, f"checkpoint {self.folder!r}"))
+            self._in_place[index] = spans_from_json(entries, {f: self._stamps[f] for f in files})
+        return self._in_place[index]
 
     def _ranks(self, index: int, lo: int, hi: int) -> range:
         """The ranks whose shard of unit `index` holds some of elements [lo, hi)."""
@@ -69,7 +93,13 @@ class CheckpointShards:
         return out
 
     def params(self, index: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of frozen unit `index`'s parameters, in the dtype they were saved in."""
+        """Elements [lo, hi) of frozen unit `index`'s parameters, in the dtype they were saved in
+        (fp32 for those read from the weights files)."""
+        spans = self.in_place(index)
+        if spans is not None:
+            values = torch.empty(hi - lo, dtype=torch.float32)
+            spans.source(lo, hi).read_into(values)
+            return values
         shard = self.meta["units"][index]["shard"]
         out: torch.Tensor | None = None
         for rank in self._ranks(index, lo, hi):

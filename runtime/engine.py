@@ -129,8 +129,9 @@ class Engine:
             if os.path.isdir(pretrained.path):
                 self.family.read_settings(pretrained.path)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
-        self.store, self.place, read_ahead, self._owned_dir = open_store(config, self.policy, self.device,
-                                                                         self.group.rank, shapes_of(plans, self.policy))
+        self.store, self.place, read_ahead, self._owned_dir = open_store(
+            config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy),
+            frozen_in_files=pretrained is not None)
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
         rounding = StochasticRounding(seed + self.group.rank) if self.policy.state_dtype == "bf16" else None
@@ -494,7 +495,8 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy), self.policy)
+        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy), self.policy,
+                           frozen_in_files=any(u.in_place is not None for u in self.units))
         return plan.placed(self.place.kept)
 
     def close(self) -> None:

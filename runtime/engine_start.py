@@ -19,11 +19,13 @@ import psutil
 import torch
 from torch import nn
 
-from outcore.offload import StorageFullError, TieredStore
+from outcore.offload import StorageFullError, Tier, TieredStore
+from outcore.offload.file_source import FileSpan
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.frozen_in_place import UnitSpans
 from outcore.runtime.host_heap import mmap_threshold_for, pin_mmap_threshold
 from outcore.runtime.materialize import materialize_unit, recompute_buffers
 from outcore.runtime.memory_plan import UnitShape, plan_memory, unit_shapes
@@ -69,13 +71,14 @@ def shapes_of(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
 
 
 def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: int,
-               shapes: list[UnitShape]) -> tuple[TieredStore, Placement, int, OwnedDir | None]:
+               shapes: list[UnitShape], *,
+               frozen_in_files: bool) -> tuple[TieredStore, Placement, int, OwnedDir | None]:
     """The store, sized from the memory plan, the final placement (whether optimizer states on NVMe
     are written back after each update depends on the host budget), how many optimizer chunks an
     update reads ahead (so does that), and the scratch folder made for it where the config names
-    no nvme_dir."""
+    no nvme_dir. `frozen_in_files`: frozen units are read from the weights files, not the swap file."""
     c = config
-    plan = plan_memory(shapes, policy)
+    plan = plan_memory(shapes, policy, frozen_in_files=frozen_in_files)
     device_budget, host_budget = plan.budgets(c.device_budget, c.host_budget, psutil.virtual_memory().available)
     if not policy.aliased:  # units gathered and freed every step: runtime/host_heap.py
         pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if device.type == "cpu" else 0)))
@@ -151,12 +154,43 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
         return pretrained.read_parameter(slot, stored)
 
     heads = pretrained.head_initializers(names, seed) if pretrained is not None else {}
+    copied: list[str] = []  # frozen units on NVMe copied into the swap file, and why
     for unit in units:
         materialize_unit(unit.plan, family, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
                          read_base=read_base, initializers=heads)
-        _shard(unit, store, place, policy, rank, pretrained, read_in)
+        spans = None
+        if pretrained is not None and unit.frozen and place.param_tier == Tier.NVME and not unit.resident:
+            spans, why = _in_place(unit, pretrained, read_in)
+            if spans is None:
+                copied.append(f"{unit.name}: {why}")
+        if spans is not None:
+            unit.in_place = spans
+            store.put_source(unit.param_key, spans.source(rank * unit.layout.shard, (rank + 1) * unit.layout.shard),
+                             unit.dtype)
+            _drop_module_parameters(unit, policy)
+        else:
+            _shard(unit, store, place, policy, rank, pretrained, read_in)
     if pretrained is not None:
         pretrained.close()
+    if copied:
+        log.warning("weights: %d frozen unit(s) are copied into the swap file instead of read where the weights lie "
+                    "(%s%s)", len(copied), copied[0], f"; and {len(copied) - 1} more" if len(copied) > 1 else "")
+
+
+def _in_place(unit: FlatUnit, pretrained: PretrainedWeights,
+              read_in: set[ParamSlot]) -> tuple[UnitSpans | None, str]:
+    """The spans of the weights files a frozen unit's flat buffer is, when every parameter is one
+    stored tensor as stored; else None and why not."""
+    spans = []
+    for slot, off in zip(unit.plan.slots, unit.layout.offsets, strict=True):
+        stored = pretrained.as_stored(slot)
+        if slot in read_in:
+            return None, f"{slot.state_dict_names[0]} was read by its adapter's initialization"
+        if stored is None:
+            return None, f"{slot.state_dict_names[0]} is not one tensor of the files as stored"
+        assert stored.dtype is not None  # as_stored
+        spans.append(FileSpan(stored.file, stored.begin, stored.dtype, slot.numel, off))
+    return UnitSpans(tuple(spans), pretrained.stamps), ""
 
 
 def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePolicy, rank: int,
@@ -182,9 +216,15 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
         store.put(c.opt_key, state, place.opt_home(unit.index), return_home=place.opt_returns_home(unit.index))
     store.put(unit.param_key, master, place.param_tier, dtype=unit.dtype, return_home=place.param_returns_home)
     del flat32, master
+    _drop_module_parameters(unit, policy)
+
+
+def _drop_module_parameters(unit: FlatUnit, policy: StatePolicy) -> None:
+    """The unit's shard is in the store: its modules' own parameters go, the flat buffer's views
+    take their place."""
     for slot in unit.plan.slots:
         for module, name in slot.places:
-            del module._parameters[name]  # the flat buffer's views take their place
+            del module._parameters[name]
         slot.param = None
     unit.release_views()
     if unit.resident:

@@ -41,6 +41,7 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
+from outcore.runtime.frozen_in_place import UnitSpans
 from outcore.runtime.policy import StatePolicy, padded_numel
 from outcore.runtime.released import ReleasedParameter
 from outcore.runtime.storage_swap import swap_storage_memory
@@ -126,6 +127,8 @@ class FlatUnit:
         bounds = [] if self.frozen else policy.chunk_bounds(layout.shard)
         self.chunks = [Chunk(self, c, a, b) for c, (a, b) in enumerate(bounds)]
         self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
+        # A frozen unit read where its weights lie: its spans of the weights files (runtime/frozen_in_place.py)
+        self.in_place: UnitSpans | None = None
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.

@@ -179,11 +179,12 @@ class MemoryPlan:
                 for tier, b in (("device", self.device), ("host", self.host), ("nvme", self.nvme))}
 
 
-def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
+def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files: bool = False) -> MemoryPlan:
     """Per-rank bytes of every tier for these units. Overlapped updates (`policy.overlapped`) of a
     one-micro-step window drop each unit's gradient as soon as it is final, so gradients of a few
     units are alive at once instead of all of them until the step. Frozen units count their
-    parameters only."""
+    parameters only, and on NVMe not even those when `frozen_in_files`: read where the weights
+    files hold them (runtime/frozen_in_place.py)."""
     depth = max(1, policy.prefetch_depth)
     near = max(1, policy.device_window)  # the plan counts at least one unit ahead
     elem, overlapped, device_type = policy.elem, policy.overlapped, policy.device_type
@@ -227,6 +228,8 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy) -> MemoryPlan:
     nvme = dict(states=0, runtime=0, gathered=0)
     where = {"none": dev, "cpu": host, "nvme": nvme}
     where[params_on]["states"] += param_all
+    if params_on == "nvme" and frozen_in_files:
+        nvme["states"] -= sum(_pages(u.shard * elem) for u in units if u.frozen)
     where[opt_on]["states"] += state_all
 
     if params_on == "none":

@@ -31,6 +31,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from outcore.offload.file_source import FileStamp
 from outcore.runtime.model_family import ComposedTensor, ModelFamily, NewHead
 from outcore.runtime.safetensors_header import read_header
 from outcore.runtime.safetensors_stream import ST_DTYPES
@@ -119,7 +120,12 @@ class PretrainedWeights:
         self.path = path
         self.family = family
         self.tensors: dict[str, StoredTensor | ComposedTensor] = {}
+        # Each file as its header was checked: a frozen unit read in place later refuses a file that
+        # differs (offload/file_source.py [Note: read in place]).
+        self.stamps: dict[str, FileStamp] = {}
         for file in weight_files(path):
+            file = os.path.abspath(file)
+            self.stamps[file] = FileStamp.of(file)
             for key, stored in _read_header(file).items():
                 name = family.stored_name(key)
                 if name in self.tensors:
@@ -215,6 +221,14 @@ class PretrainedWeights:
             stored = self.tensors.get(self.family.stored_name(name))
             if stored is not None:
                 return stored
+        return None
+
+    def as_stored(self, slot: ParamSlot) -> StoredTensor | None:
+        """The one stored tensor whose bytes are the parameter's value, as stored: None where the value
+        is made from several (`ComposedTensor`), or grown (a resized vocabulary)."""
+        stored = self.find(slot)
+        if isinstance(stored, StoredTensor) and slot not in self._grown and stored.dtype is not None:
+            return stored
         return None
 
     def read_parameter(self, slot: ParamSlot, stored: StoredTensor | ComposedTensor,

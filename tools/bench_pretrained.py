@@ -4,10 +4,12 @@ LoRA and full steps with parameters and optimizer states on NVMe.
     python -m outcore.tools.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
                                              [--budget 256M] [--kinds load,lora,full,plain-lora,trainer]
                                              [--lora-init pissa] [--dora]
+                                             [--intermediate 11008] [--kv-heads 32]
 
-A Llama-shaped model (about 1.5B parameters at the defaults) is built from a config with random
-weights and saved once as bf16 safetensors in D/model (its size is checked against the free space
-first). Each kind then runs in its own process, so that its peak RSS is its own:
+A Llama-shaped model (about 1.5B parameters at the defaults; `--layers 32 --hidden 4096
+--intermediate 11008 --kv-heads 32` is Llama-7B's shape) is written once with random bf16 weights,
+a tensor at a time, as safetensors shards in D/model beside a small tokenizer trained here (its size
+is checked against the free space first). Each kind then runs in its own process, so that its peak RSS is its own:
 `load` builds the engine (weights streamed into the tiers) and times it; `lora` and `full` run
 `--steps` steps of LoRA (rank 16 on every linear layer) and of full fine-tuning; `plain-lora` is
 transformers + peft with the whole model in RAM, the reference where it fits; `trainer` is `lora`
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -67,25 +70,70 @@ def _checkpointing(model: torch.nn.Module) -> None:
     enable()
 
 
-def make_model(directory: str, layers: int, hidden: int) -> str:
+def make_model(directory: str, layers: int, hidden: int, *, intermediate: int | None = None,
+               kv_heads: int | None = None) -> str:
+    """A Llama-shaped model of random bf16 weights in `directory`/model, written a tensor at a time
+    (a 7B shape never needs its 13.5 GB in memory), with a word-level tokenizer trained here, so that
+    `outcore train --model` runs on it too."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = os.path.join(directory, "model")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 256,
-                         max_position_embeddings=2048, tie_word_embeddings=False)
-    params = 2 * 32000 * hidden + layers * (4 * hidden * hidden // 1 * 3 // 4 + 3 * hidden * config.intermediate_size)
-    need = 2 * params * 1.1
+    heads = hidden // 128
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden,
+                         intermediate_size=intermediate or int(hidden * 2.75) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads or hidden // 256,
+                         max_position_embeddings=2048, tie_word_embeddings=False, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    need = 2 * sum(math.prod(s) for s in shapes.values()) * 1.1
     free = shutil.disk_usage(directory).free
     if free < need + (20 << 30):
         raise SystemExit(f"{directory}: {free / 2**30:.1f} GiB free; the model needs {need / 2**30:.1f} GiB "
                          "and its swap files about 8x that")
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, max_shard_size="1GB")
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    _save_tokenizer(path)
+    generator = torch.Generator().manual_seed(0)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():  # shards of at most 2 GB, as save_pretrained cuts them
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > 2 << 30:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                tensors[name] = (torch.randn(shapes[name], generator=generator) * 0.02).to(torch.bfloat16)
+            weight_map[name] = file
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        del tensors
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return path
+
+
+def _save_tokenizer(path: str) -> None:
+    """A word-level tokenizer trained on a few lines of text (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "the quick brown fox jumps over the lazy dog and the small cat sleeps near the warm fire " * 4
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
 def run(kind: str, model_dir: str, scratch: str, steps: int, budget: int, checkpoint: bool,
@@ -209,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--layers", type=positive_int, default=28)
     p.add_argument("--hidden", type=positive_int, default=2048, help="a multiple of 256 (heads of 128, 2 per KV head)")
+    p.add_argument("--intermediate", type=positive_int, help="the MLP's width (default: 2.75x --hidden)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: one per two heads of 128)")
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--budget", type=parse_size, default=256 << 20, help="DEVICE and HOST budget each")
     p.add_argument("--kinds", default=",".join(KINDS))
@@ -234,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                           "fused_head": args.fused_head, "dtype": args.dtype}))
         return
     t0 = time.perf_counter()
-    make_model(args.dir, args.layers, args.hidden)
+    make_model(args.dir, args.layers, args.hidden, intermediate=args.intermediate, kv_heads=args.kv_heads)
     print(json.dumps({"kind": "make", "seconds": time.perf_counter() - t0,
                       "bytes": sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir))}),
           flush=True)
