@@ -12,8 +12,10 @@ The files are the user's: opened read-only, never written, and checked at every 
 replaced or rewritten during the run is refused at its next read, never read as other weights. Reads
 go through the store's I/O engine (counted with its other reads), and the pages they pass through
 are dropped from the page cache after, as the swap file's O_DIRECT reads never enter it. A
-conversion needs one staging piece of `PIECE` bytes per reading thread; a span already in the key's
-dtype is read straight into the key's memory.
+span already in the key's dtype is read straight into the key's memory, and one widened (bf16 to
+fp32) is read into the end of its own place and widened front to back: either way in one request,
+which the I/O engine spreads over its threads. Only a narrowing conversion stages `PIECE` bytes at a
+time, in one buffer per reading thread.
 """
 
 from __future__ import annotations
@@ -139,10 +141,16 @@ def _open(path: str) -> int:
 
 
 def _read_span(fd: int, path: str, span: FileSpan, out: torch.Tensor, engine: IOEngine | None) -> None:
-    item = span.dtype.itemsize
+    """One span into its elements of `out`, converted: in one read where the converted span is at
+    least as wide as the stored one (the I/O engine then splits it over all its threads), else a
+    staging piece at a time."""
+    item, wide = span.dtype.itemsize, out.dtype.itemsize
+    target = out[span.at : span.at + span.numel]
     if span.dtype == out.dtype:  # no conversion: straight into the key's memory
-        target = out[span.at : span.at + span.numel].view(torch.uint8).numpy()
-        _read(fd, path, span.begin, target, engine)
+        _read(fd, path, span.begin, target.view(torch.uint8).numpy(), engine)
+        return
+    if wide >= item:
+        _read_widened(fd, path, span, target, engine)
         return
     staging = _staging_piece()
     step = PIECE // item
@@ -150,8 +158,25 @@ def _read_span(fd: int, path: str, span: FileSpan, out: torch.Tensor, engine: IO
         n = min(step, span.numel - first)
         raw = staging[: n * item]
         _read(fd, path, span.begin + first * item, raw, engine)
-        values = torch.from_numpy(raw).view(span.dtype)
-        out[span.at + first : span.at + first + n].copy_(values)
+        target[first : first + n].copy_(torch.from_numpy(raw).view(span.dtype))
+
+
+def _read_widened(fd: int, path: str, span: FileSpan, target: torch.Tensor, engine: IOEngine | None) -> None:
+    """The stored bytes land in the last part of `target`'s own memory, then widen front to back in
+    pieces: piece k's output ends where the stored bytes of piece k + 1 begin or before, so only the
+    pieces near the end, whose output reaches their own stored bytes, are copied out first."""
+    n, item, wide = span.numel, span.dtype.itemsize, target.dtype.itemsize
+    raw = target.view(torch.uint8)
+    shift = n * (wide - item)  # where the stored bytes start in `raw`
+    _read(fd, path, span.begin, raw[shift:].numpy(), engine)
+    stored = raw[shift:].view(span.dtype)
+    step = PIECE // wide
+    for first in range(0, n, step):
+        m = min(step, n - first)
+        source = stored[first : first + m]
+        if (first + m) * wide > shift + first * item:  # the output would overwrite these bytes as it goes
+            source = source.clone()
+        target[first : first + m].copy_(source)
 
 
 def _read(fd: int, path: str, offset: int, array: np.ndarray, engine: IOEngine | None) -> None:
@@ -172,7 +197,7 @@ def _read(fd: int, path: str, offset: int, array: np.ndarray, engine: IOEngine |
 
 def _staging_piece() -> np.ndarray:
     piece = getattr(_staging, "piece", None)
-    if piece is None:
+    if piece is None or len(piece) != PIECE:
         piece = _staging.piece = np.empty(PIECE, dtype=np.uint8)
     return piece
 

@@ -157,6 +157,7 @@ def _estimate(args: argparse.Namespace) -> int:
             trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
             what = (f"{args.model} + LoRA r={args.lora} ({human_count(sum(units))} parameters, "
                     f"{human_count(trained)} trained)")
+            layout["frozen_in_files"] = True  # the base is read from its weights files, never the swap file
         else:
             source = resolve_model(args.model, causal_only=False)
             units, layout = source_layout(source)

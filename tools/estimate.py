@@ -27,21 +27,23 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
              offload_params: str = "none", offload_optimizer: str = "none", prefetch_depth: int = 2,
              sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0, device: str = "cuda",
              grad_accumulation: int = 1, frozen: list[bool] | None = None, roots: list[bool] | None = None,
-             modules: list[int] | None = None, outer: list[bool] | None = None) -> MemoryPlan:
+             modules: list[int] | None = None, outer: list[bool] | None = None,
+             frozen_in_files: bool = False) -> MemoryPlan:
     """Per-rank bytes per tier for units of these sizes (parameters per unit, root unit last, or as
     `roots` says; `frozen` units have no gradient or optimizer state, `modules` pairs a unit with
     its frozen sibling, `outer` marks large modules outside the blocks: `unit_layout` in
     tools/model_source.py gives all five for a real model).
     Without clipping (and not fp16) the engine updates each unit during backward, so gradients of
     one unit at a time are held instead of all of them. `device`: "cuda" or "cpu" (DEVICE is RAM too,
-    and the whole prefetch window is on it)."""
+    and the whole prefetch window is on it). `frozen_in_files`: frozen units on NVMe are read from
+    the model's weights files, not the swap file (a LoRA base: runtime/frozen_in_place.py)."""
     policy = StatePolicy(world=world, stage=stage, offload_params=offload_params,
                          offload_optimizer=offload_optimizer, dtype=dtype, device_type=device,
                          prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
                          clipping=grad_clip is not None, grad_accumulation=grad_accumulation,
                          state_dtype=state_dtype)
     plan = plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules, outer=outer),
-                       policy)
+                       policy, frozen_in_files=frozen_in_files)
     return plan.at_default_budgets()
 
 

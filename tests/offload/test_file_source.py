@@ -127,3 +127,18 @@ def test_spans_cut_to_a_shard_cover_exactly_its_elements(tmp_path):
         FileSource([p for s in spans if (p := s.part(lo, hi, lo)) is not None], hi - lo, stamps(path)).read_into(part)
         assert torch.equal(part, whole[lo:hi])
     assert torch.equal(whole[2100:7100], tensors["b"])
+
+
+@pytest.mark.parametrize("piece", [64, 100, 4096])
+def test_conversions_in_many_pieces_give_every_element(tmp_path, monkeypatch, piece):
+    import outcore.offload.file_source as file_source
+
+    monkeypatch.setattr(file_source, "PIECE", piece)  # widened and narrowed a few elements at a time
+    path = tmp_path / "w.safetensors"
+    tensors = weights_file(path)
+    source = FileSource(spans_of(path, {"a": 0, "b": 2100, "c": 7100}), 7200, stamps(path))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.full((7200,), float("nan"), dtype=dtype)
+        source.read_into(out)
+        expected = torch.cat([*(tensors[k].reshape(-1).to(dtype) for k in ("a", "b", "c")), torch.zeros(36, dtype=dtype)])
+        assert torch.equal(out, expected)
