@@ -245,7 +245,8 @@ def test_estimate_sizes_a_model_directory_from_its_config(tmp_path, model_dir, c
                  "3", "--offload-params", "nvme", "--offload-optimizer", "nvme", "--json", str(out)]) == 0
     lora = json.loads(out.read_text())["rows"][0]
     full = rows[0]["nvme"]["states"] + rows[0]["host"]["states"]
-    assert 4 * params <= lora["nvme"]["states"] + lora["host"]["states"] < full / 2  # the base: weights only
+    # The base is read where its weights files hold it: the states are the adapters' alone.
+    assert 0 < lora["nvme"]["states"] + lora["host"]["states"] < min(4 * params, full / 2)
 
 
 @pytest.mark.parametrize(("damage", "message"), [
