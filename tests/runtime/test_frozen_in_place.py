@@ -11,7 +11,7 @@ import torch
 from hf_models import deferred, save_model, token_batches
 from safetensors import safe_open
 from test_pretrained import HP, assert_close_losses, engine_steps, plain_steps
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import outcore
 from outcore.offload import Tier
@@ -155,3 +155,45 @@ def test_a_checkpoint_refers_to_the_weights_files_resumes_from_them_and_refuses_
     with pytest.raises(ValueError, match="no longer holds what it held"):
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
     fresh.close()
+
+
+def test_two_ranks_save_what_one_rank_resumes_from_the_same_weights_files(tmp_path):
+    import subprocess
+
+    from dist_in_place_checkpoint import lora_engine as dist_engine
+    from launch import torchrun
+    from test_multirank import HERE
+
+    directory = bf16_model(tmp_path)
+    out = str(tmp_path / "two.json")
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_in_place_checkpoint.py"), directory, str(tmp_path / "nvme"),
+           str(tmp_path / "ckpt"), out]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    two = json.load(open(out))
+    one = dist_engine(directory, str(tmp_path / "nvme-one"))
+    one.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(u.in_place is not None for u in one.units if u.frozen)
+    for x in token_batches(4, batch=4)[2:]:  # the whole batch, which the two ranks halved
+        one.backward(one(input_ids=x, labels=x).loss)
+        one.step()
+    state = one.full_state_dict()
+    for k, v in two["lora"].items():
+        torch.testing.assert_close(state[k], torch.tensor(v), rtol=1e-4, atol=1e-6)
+    one.close()
+
+
+def test_a_base_an_adapter_initialization_read_is_copied_and_the_log_says_so_once(tmp_path, caplog):
+    directory = bf16_model(tmp_path)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights="pissa", lora_dropout=0.0)
+    with outcore.deferred_init():
+        model = peft.get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)), lora)
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"))
+    with caplog.at_level("WARNING", logger="outcore"):
+        engine = outcore.Engine(model, config, weights=directory)
+    said = [r.getMessage() for r in caplog.records if "copied into the swap file" in r.getMessage()]
+    assert len(said) == 1 and "q_proj" in said[0] and "adapter's initialization" in said[0]
+    copied = [u for u in engine.units if u.frozen and u.in_place is None]
+    assert len(copied) == 2  # each block's frozen unit holds W - B·A, computed here, for its q_proj
+    assert [u for u in engine.units if u.frozen and u.in_place is not None]  # the rest: read in place
+    engine.close()
