@@ -398,10 +398,14 @@ class Engine:
         late = self.gradients.finish_window(self.units)
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
         lr = self.lr
+        speculated = self.gradients.speculating
         if not overflow:
             self.global_step += 1
             with_gradient = [u for u in self.units if u.index in self.gradients.with_gradient]
-            waiting = late if self.policy.overlapped else with_gradient  # overlapped: the rest started in backward
+            if speculated:  # they stand, or are done again clipped: [Note: speculative clipping]
+                self.updates.settle_speculation(coef)
+            # overlapped or speculated: the rest started in backward
+            waiting = late if self.policy.overlapped or speculated else with_gradient
             if waiting:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
                 # the order the next forward wants them
@@ -417,6 +421,7 @@ class Engine:
         stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": overflow, "lr": lr,
                  "accumulating": False}
         self.gradients.reset(self.units, drop_grads=overflow)  # otherwise each update drops its own
+        self.gradients.speculating = self.policy.speculates and coef == 1.0
         if not overflow:
             self.schedule.applied()  # the scheduler's next rate, as DeepSpeed steps it after an update
         if not self._spill_said and self.store.bytes_swapped_out:  # even if read back since
@@ -489,6 +494,7 @@ class Engine:
         fetches = max(1, s["fetches"])
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
                  optimizer_seconds=self.updates.seconds, units=len(self.units), step=self.global_step,
+                 speculative_updates=dict(self.updates.speculated),
                  trace_divergences=self.trace.divergences, activations=dict(self._activations),
                  gathered={"bytes": self._gathered_bytes(), "peak": self._gathered_peak})
         return s

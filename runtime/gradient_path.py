@@ -110,6 +110,9 @@ class GradientPath:
         self.device, self.work_device = device, work_device  # compute, and where updates run
         self.window = Window(policy.grad_accumulation)
         self.backward_pass = BackwardPass()
+        # This window's updates run behind backward before the norm is known, until a step clips
+        # (runtime/update_stream.py [Note: speculative clipping]); the engine sets it at each step.
+        self.speculating = policy.speculates
         self._said_incomplete = False
 
     # The window's fields that the engine reads.
@@ -288,9 +291,13 @@ class GradientPath:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
         window, now = self.window, self.backward_pass
-        if window.micro + 1 == window.window_steps and self.policy.overlapped and unit.index not in now.waiting:
-            self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1)
-            now.streamed += 1
+        speculative = self.speculating and window.window_steps == 1
+        if (window.micro + 1 == window.window_steps and (self.policy.overlapped or speculative)
+                and unit.index not in now.waiting):
+            self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1,
+                                 speculative=speculative)
+            if not speculative:  # a speculative one is dropped if the pass fails
+                now.streamed += 1
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm
@@ -322,6 +329,7 @@ class GradientPath:
         the engine until a checkpoint is loaded."""
         now, before = self.backward_pass, self.backward_pass.before or self.window  # None: no gradient came
         self.backward_pass = BackwardPass()
+        self.updates.drop_speculation()
         if now.streamed:
             return Undone.NOTHING
         new = self.window.with_gradient - before.with_gradient

@@ -6,8 +6,11 @@
                                       [--budget 256M|derived] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
 Step kinds: `plain` (PyTorch with fused AdamW, fp32 only), `ram` (the engine, nothing offloaded,
-no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe), and
-`nvme-vertical` (as nvme-noclip, each step one `train_batch` of `--accumulate` micro-batches).
+no clipping), `nvme-noclip` and `nvme-clip` (parameters and optimizer states on NVMe, clipping
+at 1.0, which the reference GPT's gradients reach every step), `nvme-clip-unreached` (clipping at
+1000, which they never reach: a fine-tuning run's usual step, where clipping is set and rarely
+clips), and `nvme-vertical` (as nvme-noclip, each step one `train_batch` of `--accumulate`
+micro-batches).
 An engine kind ending in `+bf16` keeps its optimizer states in bf16 (`Config.state_dtype`).
 Ratios are against the first kind listed.
 
@@ -110,9 +113,9 @@ def run_step(kind: str, preset: str, batch: int, steps: int, nvme_root: str, bud
             usage.append(_usage())
     else:
         base, _, states = kind.partition("+")
-        clip = 1.0 if base == "nvme-clip" else None
+        clip = {"nvme-clip": 1.0, "nvme-clip-unreached": 1000.0}.get(base)
         vertical = base == "nvme-vertical"
-        offload = "none" if base == "ram" else "nvme"
+        offload = "none" if base == "ram" else "nvme"  # nvme-*
         with runtime.deferred_init():
             model = GPT(cfg, checkpoint_activations=checkpoint)
         from outcore.tools.gpt import init_fn
@@ -258,10 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.makedirs(args.dir, exist_ok=True)
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        engine_kinds = {"ram", "nvme-noclip", "nvme-clip", "nvme-vertical"}
+        engine_kinds = {"ram", "nvme-noclip", "nvme-clip", "nvme-clip-unreached", "nvme-vertical"}
         unknown = set(kinds) - {"plain", *engine_kinds, *(k + "+bf16" for k in engine_kinds)}
         if unknown or ("plain" in kinds and args.dtype != "fp32"):
-            p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip, nvme-vertical")
+            p.error(f"--kinds {args.kinds}: choose from plain (fp32 only), ram, nvme-noclip, nvme-clip, "
+                    "nvme-clip-unreached, nvme-vertical")
         for _ in range(args.rounds):
             for kind in kinds:
                 results.append(_child([json.dumps({"case": "step", "kind": kind, "preset": args.preset,
