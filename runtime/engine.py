@@ -398,14 +398,14 @@ class Engine:
         late = self.gradients.finish_window(self.units)
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
         lr = self.lr
-        speculated = self.gradients.speculating
+        speculated = self.updates.speculated_units()
         if not overflow:
             self.global_step += 1
             with_gradient = [u for u in self.units if u.index in self.gradients.with_gradient]
             if speculated:  # they stand, or are done again clipped: [Note: speculative clipping]
                 self.updates.settle_speculation(coef)
-            # overlapped or speculated: the rest started in backward
-            waiting = late if self.policy.overlapped or speculated else with_gradient
+            # overlapped: the rest started in backward; speculated: those that did stand or are redone
+            waiting = late if self.policy.overlapped else [u for u in with_gradient if u.index not in speculated]
             if waiting:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
                 # the order the next forward wants them
@@ -455,7 +455,7 @@ class Engine:
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "lr_scheduler": self.schedule.state_dict(),
-                    "loss_scale": self.scaler.state_dict(),
+                    "loss_scale": self.scaler.state_dict(), "speculating": self.gradients.speculating,
                     "config": self.config.to_dict(), "client_state": client_state,
                     "model_record": self.family.checkpoint_record(self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
@@ -471,6 +471,9 @@ class Engine:
         self.schedule.load_state_dict(meta.get("lr_scheduler"))
         self.scaler.load_state_dict(meta["loss_scale"])
         self.gradients.reset(self.units, drop_grads=True)
+        # the next step takes the path the saved run's would have (the redo of a clipped speculation
+        # differs from a clipped update in the last bits): [Note: speculative clipping]
+        self.gradients.speculating = self.policy.speculates and meta.get("speculating", True) is not False
         return meta
 
     @_engine_call

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from outcore.offload import TieredStore
+from outcore.offload import Tier, TieredStore
 from outcore.runtime.collectives import Group, all_reduce_sum
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.loss_scale import LossScaler
@@ -89,6 +89,7 @@ class BackwardPass:
     waiting: set[int] = field(default_factory=set)  # of those, units whose update waits for `settle_ranks`
     before: Window | None = None  # the window as this pass found it, taken at its first gradient
     streamed: int = 0  # updates started beside this pass (`StatePolicy.overlapped`)
+    speculated: list[int] = field(default_factory=list)  # units updated speculatively beside it
 
 
 class Undone(enum.Enum):
@@ -291,12 +292,15 @@ class GradientPath:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
         window, now = self.window, self.backward_pass
-        speculative = self.speculating and window.window_steps == 1
+        speculative = (self.speculating and window.window_steps == 1
+                       and self.place.opt_home(unit.index) == Tier.NVME)  # (kept in HOST: waits for the norm)
         if (window.micro + 1 == window.window_steps and (self.policy.overlapped or speculative)
                 and unit.index not in now.waiting):
             self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1,
                                  speculative=speculative)
-            if not speculative:  # a speculative one is dropped if the pass fails
+            if speculative:  # dropped if the pass fails
+                now.speculated.append(unit.index)
+            else:
                 now.streamed += 1
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
@@ -329,7 +333,7 @@ class GradientPath:
         the engine until a checkpoint is loaded."""
         now, before = self.backward_pass, self.backward_pass.before or self.window  # None: no gradient came
         self.backward_pass = BackwardPass()
-        self.updates.drop_speculation()
+        self.updates.drop_speculation(now.speculated)
         if now.streamed:
             return Undone.NOTHING
         new = self.window.with_gradient - before.with_gradient

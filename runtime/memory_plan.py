@@ -278,6 +278,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
         shadow = largest_unit + PAGE + _pages(chunk * state_elem) + PAGE
         host["runtime"] += shadow
         host_needs.append(("a speculative update's new parameter shard and optimizer chunk", shadow))
+        nvme["runtime"] += state_all  # the new states, written beside the old ones until the step
     ample = depth  # optimizer chunks read ahead with room: more only when streamed from NVMe
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]

@@ -193,11 +193,12 @@ class StatePolicy:
     @property
     def speculates(self) -> bool:
         """Clipping that may update behind backward before the norm is known ([Note: speculative
-        clipping] in runtime/update_stream.py): fp32 parameters and states streamed from an
-        offloaded optimizer tier, ZeRO-3 shards (not resident), one micro-step a window, no fp16
-        overflow check."""
+        clipping] in runtime/update_stream.py): fp32 parameters and states, the states resting on
+        NVMe (where the new ones wait for the step without doubling any memory; units whose states
+        the host budget keeps wait for the norm as before), ZeRO-3 shards (not resident), one
+        micro-step a window, no fp16 overflow check."""
         return (self.clipping and self.dtype == "fp32" and self.state_dtype == "fp32" and self.grad_accumulation == 1
-                and self.offload_optimizer != "none" and not self.resident and not self.step_in_memory)
+                and self.offload_optimizer == "nvme" and not self.resident and not self.step_in_memory)
 
     @property
     def step_in_memory(self) -> bool:

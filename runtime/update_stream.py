@@ -182,10 +182,25 @@ class UpdateStream:
 
         self._thread.submit(run)
 
-    def drop_speculation(self) -> None:
-        """A failed backward pass: the speculative updates it started never happened."""
-        if self._speculated:
-            self.abandon()
+    def speculated_units(self) -> frozenset[int]:
+        """The units updated speculatively in this window (settled at its step)."""
+        return frozenset(self._speculated)
+
+    def drop_speculation(self, units: list[int]) -> None:
+        """A failed backward pass: the speculative updates it started (`units`) never happened;
+        once they are done, their shadow keys go (the old states were never changed)."""
+        for index in units:
+            future = self._pending.pop(index, None)
+            if future is not None:
+                future.exception()  # done, whatever its outcome: nobody else will look
+            self._speculated.pop(index, None)
+            self._drop_shadows(index)
+
+    def _drop_shadows(self, index: int) -> None:
+        unit = self.units[index]
+        for key in [shadow_key(c.opt_key) for c in unit.chunks] + [shadow_key(unit.param_key)]:
+            if key in self.store:
+                self.store.delete(key)
 
     def _redo(self, unit: FlatUnit, lr: float, coef: float, idle: frozenset[int]) -> None:
         """Optimizer thread: a speculative update that clipping invalidates, done again from the old
@@ -238,10 +253,7 @@ class UpdateStream:
         self._behind_backward.clear()
         speculated, self._speculated = self._speculated, {}
         for index in speculated:
-            unit = self.units[index]
-            for key in [shadow_key(c.opt_key) for c in unit.chunks] + [shadow_key(unit.param_key)]:
-                if key in self.store:
-                    self.store.delete(key)
+            self._drop_shadows(index)
 
     def halt(self, why: str, cause: BaseException | None = None) -> None:
         """Something beside the updates left the states unfit to go on from (`why` says what, and
