@@ -229,21 +229,6 @@ class TieredStore(Moves, Writes, Budgets):
             self._swap.discard(key)
             self._cond.notify_all()
 
-    def rename(self, key: str, new: str) -> None:
-        """Give `key`'s bytes, wherever they rest, the name `new`, replacing what `new` held (its
-        memory and swap space freed): no byte moves. Neither may be pinned."""
-        with self._cond:
-            self._check_open()
-            rec = self._settled_record(key)
-            old = self._settled(new)
-            if old is not None and old.buffer is not None:
-                self._free(old.stable_tier, old.buffer)
-            self._swap.rename(key, new)
-            del self._records[key]
-            rec.key = new
-            self._records[new] = rec
-            self._cond.notify_all()
-
     def evict(self, key: str, to: Tier = Tier.NVME) -> Handle:
         """Force `key` down to `to` (HOST or NVME), writing it back if dirty; it must not be pinned."""
         to = Tier(to)

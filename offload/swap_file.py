@@ -141,16 +141,6 @@ class SwapFile:
         return self._engine.read(self.file, entry.extent.offset, array[: entry.extent.length],
                                  checksum=entry.checksum is not None, finalize=finalize)
 
-    def rename(self, key: str, new: str) -> None:
-        """`key`'s bytes (if any) become `new`'s; `new`'s old extent is reused. No write may be in flight for either."""
-        with self._lock:
-            old = self._entries.pop(new, None)
-            if old is not None:
-                self._alloc.free(old.extent)
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._entries[new] = entry
-
     def discard(self, key: str) -> None:
         """Forget the key and reuse its extent."""
         with self._lock:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from outcore.offload import Tier, TieredStore
+from outcore.offload import TieredStore
 from outcore.runtime.collectives import Group, all_reduce_sum
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.loss_scale import LossScaler
@@ -89,7 +89,6 @@ class BackwardPass:
     waiting: set[int] = field(default_factory=set)  # of those, units whose update waits for `settle_ranks`
     before: Window | None = None  # the window as this pass found it, taken at its first gradient
     streamed: int = 0  # updates started beside this pass (`StatePolicy.overlapped`)
-    speculated: list[int] = field(default_factory=list)  # units updated speculatively beside it
 
 
 class Undone(enum.Enum):
@@ -111,9 +110,6 @@ class GradientPath:
         self.device, self.work_device = device, work_device  # compute, and where updates run
         self.window = Window(policy.grad_accumulation)
         self.backward_pass = BackwardPass()
-        # This window's updates run behind backward before the norm is known, until a step clips
-        # (runtime/update_stream.py [Note: speculative clipping]); the engine sets it at each step.
-        self.speculating = policy.speculates
         self._said_incomplete = False
 
     # The window's fields that the engine reads.
@@ -292,16 +288,9 @@ class GradientPath:
         """After `receive` and once the unit is released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward."""
         window, now = self.window, self.backward_pass
-        speculative = (self.speculating and window.window_steps == 1
-                       and self.place.opt_home(unit.index) == Tier.NVME)  # (kept in HOST: waits for the norm)
-        if (window.micro + 1 == window.window_steps and (self.policy.overlapped or speculative)
-                and unit.index not in now.waiting):
-            self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1,
-                                 speculative=speculative)
-            if speculative:  # dropped if the pass fails
-                now.speculated.append(unit.index)
-            else:
-                now.streamed += 1
+        if window.micro + 1 == window.window_steps and self.policy.overlapped and unit.index not in now.waiting:
+            self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1)
+            now.streamed += 1
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm
@@ -333,7 +322,6 @@ class GradientPath:
         the engine until a checkpoint is loaded."""
         now, before = self.backward_pass, self.backward_pass.before or self.window  # None: no gradient came
         self.backward_pass = BackwardPass()
-        self.updates.drop_speculation(now.speculated)
         if now.streamed:
             return Undone.NOTHING
         new = self.window.with_gradient - before.with_gradient

@@ -184,10 +184,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
     one-micro-step window drop each unit's gradient as soon as it is final, so gradients of a few
     units are alive at once instead of all of them until the step. Frozen units count their
     parameters only, and on NVMe not even those when `frozen_in_files`: read where the weights
-    files hold them (runtime/frozen_in_place.py). Speculative clipping (`policy.speculates`) is
-    counted as clipping: every gradient alive until the step. A speculated update drops its unit's
-    gradient as it runs, and its shadow keys (a chunk's new states, the unit's new shard) fit in the
-    room kept for the gradients not yet made or already dropped."""
+    files hold them (runtime/frozen_in_place.py)."""
     depth = max(1, policy.prefetch_depth)
     near = max(1, policy.device_window)  # the plan counts at least one unit ahead
     elem, overlapped, device_type = policy.elem, policy.overlapped, policy.device_type
@@ -272,13 +269,6 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
         work["runtime"] += copies
         if not work_on_device:
             host_needs.append(("one optimizer chunk in fp32 while it updates", copies))
-    if policy.speculates and n_chunks:
-        # A speculative update stages its unit's new shard beside the old one, and a chunk's new
-        # states beside the old ones (runtime/update_stream.py [Note: speculative clipping]).
-        shadow = largest_unit + PAGE + _pages(chunk * state_elem) + PAGE
-        host["runtime"] += shadow
-        host_needs.append(("a speculative update's new parameter shard and optimizer chunk", shadow))
-        nvme["runtime"] += state_all  # the new states, written beside the old ones until the step
     ample = depth  # optimizer chunks read ahead with room: more only when streamed from NVMe
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]

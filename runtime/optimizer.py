@@ -78,7 +78,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
                   counts: StepCounts, *, lr: float, grad_scale: float,
                   grads: list[list[torch.Tensor]] | None = None,
                   idle: Mapping[int, frozenset[int]] | None = None,
-                  rounding: StochasticRounding | None = None, shadow: bool = False) -> None:
+                  rounding: StochasticRounding | None = None) -> None:
     """Read the chunks' states and gradients, update them in one fused call, write the states back
     and drop the gradients.
 
@@ -94,9 +94,6 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
     dropped from it after the update).
     `rounding`: the states are bf16 (`Config.state_dtype`): each chunk's are updated in fp32 copies
     and rounded back stochastically (runtime/stochastic_rounding.py).
-    `shadow`: a speculative update (runtime/update_stream.py [Note: speculative clipping]): the new
-    states go to each chunk's `shadow_key`, put in the states' home tier, and the old ones stay as
-    they were (`params` must be a shadow `ParamWriter` too).
     """
     stored = grads is None
     assert stored or grad_scale == 1.0, "handed-over gradients may alias one another: never scaled in place"
@@ -107,16 +104,8 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
         fetched.append((key, changed))
         return t
 
-    staged: list[StagedPut] = []  # shadow states being written
     try:
-        states = [fetch(c.opt_key, changed=not shadow) for c in chunks]
-        if shadow:
-            assert rounding is None and params.shadow, "speculative updates: fp32 states, shadow parameters"
-            for c, st in zip(chunks, states, strict=True):
-                put = store.stage(shadow_key(c.opt_key), tuple(st.shape), st.dtype, place.opt_home(c.unit.index))
-                staged.append(put)
-                put.tensor.copy_(st)
-            states = [put.tensor for put in staged]
+        states = [fetch(c.opt_key, changed=True) for c in chunks]
         if grads is None:
             grads = [[fetch(c.grad_key, changed=False)] for c in chunks]
         masters: list[torch.Tensor] = []
@@ -170,12 +159,7 @@ def update_chunks(chunks: list[Chunk], store: TieredStore, place: Placement, hp:
             rounding.round_into(storage, updated)
         for c, master in zip(chunks, masters, strict=True):
             params.write(c, master)
-        for put in staged:
-            put.commit()
-        staged.clear()
     finally:
-        for put in staged:  # the update failed before its new states were whole
-            put.abort(RuntimeError("the speculative update stopped before its states were whole"))
         # Optimizer states put with `return_home` when written back after each update
         # (`Placement.opt_returns_home`): the store then sends them to NVMe in the background, and
         # HOST is free for the next chunk.
@@ -212,11 +196,10 @@ class ParamWriter:
     of it wait for the commit or the abort, never hang), and a lent one is released as it stands.
     """
 
-    def __init__(self, store: TieredStore, place: Placement, *, in_place: bool = True, shadow: bool = False) -> None:
+    def __init__(self, store: TieredStore, place: Placement, *, in_place: bool = True) -> None:
         self.store = store
         self.place = place
         self.in_place = in_place
-        self.shadow = shadow  # a speculative update: new shards under `shadow_key`, the old ones unchanged
         self._staged: dict[str, tuple[StagedPut, int]] = {}  # parameter key -> (staged put, chunks left)
         self._lent: dict[str, tuple[torch.Tensor, int]] = {}  # parameter key -> (fetched shard, chunks left)
 
@@ -224,22 +207,6 @@ class ParamWriter:
         """The chunk's slice of its unit's parameter shard, to update in place."""
         unit = chunk.unit
         assert self.in_place and unit.master_is_param
-        if self.shadow:
-            assert not unit.aliased, "a speculative update streams its states: the shard is a store key"
-            key = shadow_key(unit.param_key)
-            if key not in self._staged:
-                resting = self.store.ram_tier_of(unit.param_key)
-                old = self.store.fetch_now(unit.param_key, resting or self.place.work_tier)
-                try:
-                    # beside the old shard, where it rests ([Note: updated parameters stay put])
-                    home = resting or (Tier.HOST if self.place.param_tier == Tier.NVME else self.place.param_tier)
-                    put = self.store.stage(key, (unit.layout.shard,), unit.dtype, home,
-                                           return_home=self.place.param_returns_home)
-                    put.tensor.copy_(old)
-                finally:
-                    self.store.release(unit.param_key)  # read, never changed
-                self._staged[key] = (put, len(unit.chunks))
-            return self._staged[key][0].tensor[chunk.start : chunk.end]
         if unit.aliased:  # the stored shard is the live flat buffer
             return unit.flat.detach()[chunk.start : chunk.end]
         key = unit.param_key
@@ -251,12 +218,6 @@ class ParamWriter:
     def write(self, chunk: Chunk, master: torch.Tensor) -> None:
         """The chunk's new parameter values are `master` (in place: already written)."""
         unit = chunk.unit
-        if self.shadow:  # updated in the shadow shard `master` lent
-            key = shadow_key(unit.param_key)
-            staged = self._staged[key][0]
-            if _count_down(self._staged, key) is not None:
-                staged.commit()
-            return
         if self.in_place and unit.master_is_param:
             if not unit.aliased and _count_down(self._lent, unit.param_key) is not None:
                 # Resting in HOST, the store sends it back there (its `return_home` hint; a CPU: no
@@ -290,11 +251,6 @@ class ParamWriter:
         for key in self._lent:  # updated in place up to where the pass stopped, as their states were
             self.store.release(key, dirty=True)
         self._lent.clear()
-
-
-def shadow_key(key: str) -> str:
-    """Where a speculative update writes the new value of `key` (runtime/update_stream.py)."""
-    return key + "~"
 
 
 def _count_down(table: dict, key: str):

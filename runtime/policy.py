@@ -191,16 +191,6 @@ class StatePolicy:
         return not self.clipping and self.dtype != "fp16" and not self.step_in_memory
 
     @property
-    def speculates(self) -> bool:
-        """Clipping that may update behind backward before the norm is known ([Note: speculative
-        clipping] in runtime/update_stream.py): fp32 parameters and states, the states resting on
-        NVMe (where the new ones wait for the step without doubling any memory; units whose states
-        the host budget keeps wait for the norm as before), ZeRO-3 shards (not resident), one
-        micro-step a window, no fp16 overflow check."""
-        return (self.clipping and self.dtype == "fp32" and self.state_dtype == "fp32" and self.grad_accumulation == 1
-                and self.offload_optimizer == "nvme" and not self.resident and not self.step_in_memory)
-
-    @property
     def step_in_memory(self) -> bool:
         """Nothing to stream: one rank, fp32, every state in device memory (the flat buffers are the
         stored shards), one backward pass per step and no clipping. The gradients then stay as

@@ -11,18 +11,6 @@ unit's next gather, a checkpoint or a state dict calls before reading it. `drain
 The stream also keeps the optimizer's step counts (AdamW's bias correction; runtime/step_counts.py).
 `idle`, where given, names by unit index the parameters that got no gradient this step: they sit
 the update out, as torch.optim skips a parameter whose `.grad` is None.
-
-[Note: speculative clipping] With clipping, an update needs the global norm, known only once
-backward has ended; waiting for it holds every gradient until the step, and under small budgets
-they spill to NVMe and back (docs/benchmarks.md). Most fine-tuning steps do not clip, so
-while the last step did not (`StatePolicy.speculates`), each unit's update runs behind backward
-as if it will not: out of place, its new `[m|v]` and parameter shard under shadow keys
-(`optimizer.shadow_key`), the old keys read and left as they were. At the step, a coefficient of 1
-makes the speculation exact (clip_grad_norm_ multiplies by 1.0) and the shadow keys take the old
-ones' names, no byte moved; below 1, each unit is updated again from its old states, the gradient
-recovered from m and m' and scaled, and the next step waits for the norm as before. A failed
-backward drops the shadow keys: nothing else was changed. The bytes of a step that does not clip
-are those of the unclipped step; one that does costs the speculation and the redo.
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.offload.background import background_pool
 from outcore.runtime.flat_unit import Chunk, FlatUnit
-from outcore.runtime.optimizer import AdamW, ParamWriter, shadow_key, update_chunks
+from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
 from outcore.runtime.policy import HANDED_OVER, Placement
 from outcore.runtime.step_counts import StepCounts
 from outcore.runtime.stochastic_rounding import StochasticRounding
@@ -68,10 +56,6 @@ class UpdateStream:
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
         self._next: dict[int, int] = {}
-        # Speculative updates of this window (unit index -> its lr and idle slots), in the order they
-        # started: see [Note: speculative clipping].
-        self._speculated: dict[int, tuple[float, frozenset[int]]] = {}
-        self.speculated = {"kept": 0, "redone": 0}  # units, over the run: stats()
         # The first update that failed (or a checkpoint load that stopped partway): raised once, to
         # whoever waited for it. The states are then partly written, so every later use of the
         # stream refuses until a load succeeds (close() only cleans up).
@@ -80,16 +64,11 @@ class UpdateStream:
     # -- starting updates -------------------------------------------------------------------------
 
     def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None,
-                idle: Mapping[int, frozenset[int]], *, bounded: bool, speculative: bool = False) -> None:
+                idle: Mapping[int, frozenset[int]], *, bounded: bool) -> None:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
         the chunks' gradient keys in the store). `bounded`: its gradient was made in this backward
-        alone (a window of one micro-step), so waiting for earlier updates frees memory.
-        `speculative`: unclipped, into shadow keys, until `settle_speculation` ([Note: speculative
-        clipping])."""
+        alone (a window of one micro-step), so waiting for earlier updates frees memory."""
         self.check()
-        if speculative:
-            assert handed is None and self.rounding is None
-            self._speculated[unit.index] = (lr, frozenset(idle.get(unit.index, ())))
         self._order.append(unit.index)
         following = self._next.get(unit.index)
         then = self.units[following].chunks if following is not None else []
@@ -97,7 +76,7 @@ class UpdateStream:
             behind = self._behind_backward
             while behind and (behind[0].done() or len(behind) >= HANDED_OVER):
                 self._result(behind.popleft())
-        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle), speculative)
+        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle))
         self._pending[unit.index] = future
         if bounded:
             self._behind_backward.append(future)
@@ -145,83 +124,6 @@ class UpdateStream:
 
         self._thread.submit(run)
 
-    def settle_speculation(self, coef: float) -> None:
-        """At the step, once the clip coefficient is known: the window's speculative updates stand
-        (`coef` 1: their shadow keys take the old ones' names) or are done again from the old
-        states with the gradient scaled by `coef`. Each unit's future completes when it is settled;
-        the work runs on the optimizer thread, after the speculative updates."""
-        self.check()
-        speculated, self._speculated = self._speculated, {}
-        if not speculated:
-            return
-        started = [f for index in speculated if (f := self._pending.get(index)) is not None]
-        futures: dict[int, Future] = {index: Future() for index in speculated}
-        self._pending.update(futures)
-
-        def run() -> None:
-            try:
-                for f in started:  # done (the same thread ran them): a failed one fails its step
-                    if f.exception() is not None:
-                        raise f.exception()  # type: ignore[misc]
-                for index, (lr, idle) in speculated.items():
-                    unit = self.units[index]
-                    self.speculated["kept" if coef == 1.0 else "redone"] += 1
-                    if coef == 1.0:
-                        for c in unit.chunks:
-                            self.store.rename(shadow_key(c.opt_key), c.opt_key)
-                        self.store.rename(shadow_key(unit.param_key), unit.param_key)
-                    else:
-                        self._redo(unit, lr, coef, idle)
-                    self.counts.advance(index, len(unit.plan.slots), idle)
-                    futures[index].set_result(None)
-            except BaseException as e:
-                for f in futures.values():
-                    if not f.done():
-                        f.set_exception(e)
-                raise
-
-        self._thread.submit(run)
-
-    def speculated_units(self) -> frozenset[int]:
-        """The units updated speculatively in this window (settled at its step)."""
-        return frozenset(self._speculated)
-
-    def drop_speculation(self, units: list[int]) -> None:
-        """A failed backward pass: the speculative updates it started (`units`) never happened;
-        once they are done, their shadow keys go (the old states were never changed)."""
-        for index in units:
-            future = self._pending.pop(index, None)
-            if future is not None:
-                future.exception()  # done, whatever its outcome: nobody else will look
-            self._speculated.pop(index, None)
-            self._drop_shadows(index)
-
-    def _drop_shadows(self, index: int) -> None:
-        unit = self.units[index]
-        for key in [shadow_key(c.opt_key) for c in unit.chunks] + [shadow_key(unit.param_key)]:
-            if key in self.store:
-                self.store.delete(key)
-
-    def _redo(self, unit: FlatUnit, lr: float, coef: float, idle: frozenset[int]) -> None:
-        """Optimizer thread: a speculative update that clipping invalidates, done again from the old
-        states. The gradient comes back from the two first moments, m' = m + (1 - beta1)(g - m)
-        (torch.lerp's form, which the fused kernel computes), to within a few ulps of m'."""
-        beta1 = self.hp.betas[0]
-        with ParamWriter(self.store, self.place) as params:
-            for c in unit.chunks:
-                old = self.store.fetch_now(c.opt_key, self.place.work_tier)
-                new = self.store.fetch_now(shadow_key(c.opt_key), self.place.work_tier)
-                try:
-                    m, m_new = old[: c.numel], new[: c.numel]
-                    grad = (m_new - m).div_(1.0 - beta1).add_(m).mul_(coef)
-                finally:
-                    self.store.release(shadow_key(c.opt_key))
-                    self.store.release(c.opt_key)
-                self.store.delete(shadow_key(c.opt_key))
-                update_chunks([c], self.store, self.place, self.hp, params, self.counts, lr=lr, grad_scale=1.0,
-                              grads=[[grad]], idle={unit.index: idle})
-        self.store.delete(shadow_key(unit.param_key))
-
     # -- waiting ----------------------------------------------------------------------------------
 
     def updating(self, index: int) -> bool:
@@ -246,14 +148,10 @@ class UpdateStream:
         self._settle()
 
     def abandon(self) -> None:
-        """Before a checkpoint load replaces every state (or after a failed backward pass): wait for
-        the updates in flight, whatever their outcome, and forget them; speculative ones never
-        happened (their shadow keys go, the old states were never changed)."""
+        """Before a checkpoint load replaces every state: wait for the updates in flight, whatever
+        their outcome, and forget them."""
         self._take_all()
         self._behind_backward.clear()
-        speculated, self._speculated = self._speculated, {}
-        for index in speculated:
-            self._drop_shadows(index)
 
     def halt(self, why: str, cause: BaseException | None = None) -> None:
         """Something beside the updates left the states unfit to go on from (`why` says what, and
@@ -319,22 +217,22 @@ class UpdateStream:
 
     def _timed(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
-               idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
+               idle: dict[int, frozenset[int]]) -> None:
         t0 = time.perf_counter()
         try:
-            self._stream(order, lr, coef, then, finished, grad, idle, speculative)
+            self._stream(order, lr, coef, then, finished, grad, idle)
         finally:
             self.seconds += time.perf_counter() - t0
 
     def _stream(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
                 finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
-                idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
+                idle: dict[int, frozenset[int]]) -> None:
         """Chunk by chunk, with the next `depth` chunks' states on their way to the work tier (past
         the end of `order`, the optimizer states of the chunks in `then`). Each unit's step count
         advances as its last chunk is done, and then its future in `finished` (if given) completes.
         `grad`: one unit's gradient handed over in memory, per chunk (its chunks read no grad keys)."""
         streaming = self.place.opt_tier != self.place.work_tier
-        with ParamWriter(self.store, self.place, shadow=speculative) as params:
+        with ParamWriter(self.store, self.place) as params:
             for i, chunk in enumerate(order):
                 if streaming:
                     keys = []
@@ -344,9 +242,9 @@ class UpdateStream:
                     self.store.prefetch(keys, self.place.work_tier)
                 update_chunks([chunk], self.store, self.place, self.hp, params, self.counts, lr=lr,
                               grad_scale=coef, grads=None if grad is None else [grad[chunk.index]], idle=idle,
-                              rounding=self.rounding, shadow=speculative)
+                              rounding=self.rounding)
                 unit = chunk.unit
-                if chunk is unit.chunks[-1] and not speculative:  # else advanced once it is settled
+                if chunk is unit.chunks[-1]:
                     self.counts.advance(unit.index, len(unit.plan.slots), idle.get(unit.index, ()))
                     if finished is not None:
                         finished[unit.index].set_result(None)

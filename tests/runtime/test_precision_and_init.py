@@ -69,8 +69,7 @@ def test_deferred_init_is_reproducible_and_never_whole(tmp_path):
 
 
 @pytest.mark.parametrize(("offload", "holds"), [
-    (("nvme", "nvme"), r"the largest unit's parameters read from NVMe: [\d,]+; (a speculative update's new "
-                       r"parameter shard and optimizer chunk: [\d,]+; )?3 optimizer chunks on their way .*"
+    (("nvme", "nvme"), r"the largest unit's parameters read from NVMe: [\d,]+; 3 optimizer chunks on their way .*"
                        r"raise it to at least that, or lower sub_group_size\.$"),
     (("cpu", "none"), r"\(([\d,]+) bytes; the parameters, which rest there: \1\); raise it to at least that\.$"),
 ])
