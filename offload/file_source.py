@@ -91,6 +91,9 @@ class FileSource:
         self.spans = sorted(spans, key=lambda s: (s.path, s.begin))  # each file read front to back
         self.numel = numel
         self.stamps = {s.path: stamps[s.path] for s in self.spans}
+        self.by_file: dict[str, list[FileSpan]] = {}
+        for s in self.spans:
+            self.by_file.setdefault(s.path, []).append(s)
         covered = sorted((s.at, s.at + s.numel) for s in self.spans)
         self.gaps: list[tuple[int, int]] = []  # padding, zero-filled
         end = 0
@@ -113,10 +116,7 @@ class FileSource:
         assert out.dim() == 1 and out.numel() == self.numel and out.device.type == "cpu"
         for a, b in self.gaps:
             out[a:b].zero_()
-        by_file: dict[str, list[FileSpan]] = {}
-        for s in self.spans:
-            by_file.setdefault(s.path, []).append(s)
-        for path, spans in by_file.items():
+        for path, spans in self.by_file.items():
             fd = _open(path)
             try:
                 why = self.stamps[path].differs(FileStamp.of(path, fd))

@@ -128,9 +128,8 @@ class TieredStore(Moves, Writes, Budgets):
         with self._cond:
             self._check_open()
             old = self._settled(key)
-            if old is not None and old.buffer is not None:
-                self._free(old.stable_tier, old.buffer)
-            self._swap.discard(key)
+            if old is not None:
+                self._forget(old)
             self._records[key] = rec
             self._cond.notify_all()
 
@@ -222,12 +221,15 @@ class TieredStore(Moves, Writes, Budgets):
         """Forget `key` and free its memory and swap space; it must not be pinned."""
         with self._cond:
             self._check_open()
-            rec = self._settled_record(key)
-            if rec.buffer is not None:
-                self._free(rec.stable_tier, rec.buffer)
-            del self._records[key]
-            self._swap.discard(key)
+            self._forget(self._settled_record(key))
             self._cond.notify_all()
+
+    def _forget(self, rec: KeyRecord) -> None:
+        """A settled, unpinned key leaves the store: its memory and swap space freed (lock held)."""
+        if rec.buffer is not None:
+            self._free(rec.stable_tier, rec.buffer)
+        del self._records[rec.key]
+        self._swap.discard(rec.key)
 
     def evict(self, key: str, to: Tier = Tier.NVME) -> Handle:
         """Force `key` down to `to` (HOST or NVME), writing it back if dirty; it must not be pinned."""

@@ -190,7 +190,7 @@ def _in_place(unit: FlatUnit, pretrained: PretrainedWeights,
             return None, f"{slot.state_dict_names[0]} is not one tensor of the files as stored"
         assert stored.dtype is not None  # as_stored
         spans.append(FileSpan(stored.file, stored.begin, stored.dtype, slot.numel, off))
-    return UnitSpans(tuple(spans), pretrained.stamps), ""
+    return UnitSpans(tuple(spans), {s.path: pretrained.stamps[s.path] for s in spans}), ""
 
 
 def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePolicy, rank: int,

@@ -37,10 +37,6 @@ class UnitSpans:
         parts = [p for s in self.spans if (p := s.part(lo, hi, lo)) is not None]
         return FileSource(parts, hi - lo, self.stamps)
 
-    @property
-    def files(self) -> list[str]:
-        return sorted({s.path for s in self.spans})
-
     def as_json(self) -> list[dict]:
         return [{"file": s.path, "begin": s.begin, "dtype": str(s.dtype).removeprefix("torch."), "numel": s.numel,
                  "at": s.at} for s in self.spans]
@@ -62,12 +58,8 @@ def checksums(stamps: dict[str, FileStamp]) -> dict[str, dict]:
             raise WeightsFileChanged(f"weights file {path!r} changed during the run ({why}): a checkpoint would refer "
                                      "to other weights than the ones trained with. Put the original file back, or "
                                      "start again from the last checkpoint.")
-        key = (path, stamp)
-        if key not in _checksums:
-            log.info("weights: checksumming %s (%.1f GB), read in place by the frozen units a checkpoint refers to",
-                     path, stamp.size / 1e9)
-            _checksums[key] = file_checksum(path)
-        out[path] = {"size": stamp.size, "checksum": _checksums[key]}
+        say = "checksumming %s (%.1f GB), read in place by the frozen units a checkpoint refers to"
+        out[path] = {"size": stamp.size, "checksum": _checksum(path, stamp, say)}
     return out
 
 
@@ -82,7 +74,13 @@ def verified_stamps(files: dict[str, dict], where: str) -> dict[str, FileStamp]:
         except OSError as e:
             raise ValueError(f"{where} reads frozen parameters from weights file {path!r}, which cannot be read "
                              f"({e.strerror}): put the model's weights back there.") from e
-        if stamp.size != recorded["size"] or _checksum_of(path, stamp, recorded["checksum"]) != recorded["checksum"]:
+        ours = "" if stamp.size != recorded["size"] else _checksum(
+            path, stamp, "checking %s (%.1f GB) against its checksum in the checkpoint")
+        algorithm = recorded["checksum"].split(":", 1)[0]
+        if ours and ours.split(":", 1)[0] != algorithm:  # whichever the cache held: compared as computed
+            raise ValueError(f"the checkpoint's checksum of {path!r} is {algorithm}, which this machine does not "
+                             "compute; install the crc32c package to match it.")
+        if ours != recorded["checksum"]:
             raise ValueError(f"{where} reads frozen parameters from weights file {path!r}, which no longer holds what "
                              "it held when the checkpoint was written (size or checksum differ): put the original "
                              "weights back there.")
@@ -90,14 +88,11 @@ def verified_stamps(files: dict[str, dict], where: str) -> dict[str, FileStamp]:
     return stamps
 
 
-def _checksum_of(path: str, stamp: FileStamp, recorded: str) -> str:
+def _checksum(path: str, stamp: FileStamp, say: str) -> str:
+    """`file_checksum(path)`, computed once per process for each version (`stamp`) of the file;
+    `say` logs the read (with the path and its size in GB) when it happens."""
     key = (path, stamp)
     if key not in _checksums:
-        algorithm = recorded.split(":", 1)[0]
-        log.info("weights: checking %s (%.1f GB) against its checksum in the checkpoint", path, stamp.size / 1e9)
+        log.info("weights: " + say, path, stamp.size / 1e9)
         _checksums[key] = file_checksum(path)
-        if _checksums[key].split(":", 1)[0] != algorithm:
-            raise ValueError(f"the checkpoint's checksum of {path!r} is {algorithm}, which this machine does not "
-                             "compute; install the crc32c package to match it.")
     return _checksums[key]
-
