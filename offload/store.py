@@ -30,6 +30,7 @@ from outcore.offload.exit_close import close_at_exit, forget
 from outcore.offload.file_source import FileSource
 from outcore.offload.handle import Handle, handle_of
 from outcore.offload.io_config import IOConfig, round_up
+from outcore.offload.kept_versions import KeptVersions
 from outcore.offload.moves import Moves
 from outcore.offload.residency import MOVING, STABLE, KeyRecord, Move, Residency, Tier
 from outcore.offload.write_back import WriteBackWorker
@@ -69,6 +70,7 @@ class TieredStore(Moves, Writes, Budgets):
                          nvme_preallocate=nvme_preallocate, prefetch_bytes=prefetch_bytes,
                          wait_timeout=wait_timeout)
         self._writer = WriteBackWorker(self._run_write_back, self.io.nice)
+        self._versions = KeptVersions(self)  # offload/kept_versions.py [Note: kept versions]
         self._exit_token = close_at_exit(self)  # a script that never closes it: offload/exit_close.py
 
     # -- public API -------------------------------------------------------------------------------
@@ -108,6 +110,7 @@ class TieredStore(Moves, Writes, Budgets):
         with self._cond:
             self._check_open()
             old = self._settled(key)
+            self._versions.forget(key)  # a new value: nothing earlier is wanted back
             rec = KeyRecord(key, nbytes, dtype, tuple(shape), MOVING[tier], dirty=True, home=tier,
                             return_home=return_home)
             rec.move = Move(Residency.NVME, tier)
@@ -229,7 +232,27 @@ class TieredStore(Moves, Writes, Budgets):
         if rec.buffer is not None:
             self._free(rec.stable_tier, rec.buffer)
         del self._records[rec.key]
+        self._versions.forget(rec.key)
         self._swap.discard(rec.key)
+
+    def keep(self, keys: Iterable[str]) -> bool:
+        """Before their owner changes them in place: keep the present bytes of `keys` aside, all or
+        none, until `drop_kept` or `restore_kept` (offload/kept_versions.py [Note: kept versions]).
+        Nothing is evicted or written for it: False, and nothing kept, where a dirty key found no
+        free HOST memory for its copy."""
+        return self._versions.keep(keys)
+
+    def drop_kept(self, key: str) -> None:
+        """The change to `key` stands: what `keep` kept of it is let go."""
+        self._versions.drop(key)
+
+    def restore_kept(self, key: str) -> None:
+        """Take the change to `key` back: it holds what `keep` kept again; it must not be pinned."""
+        self._versions.restore(key)
+
+    def is_kept(self, key: str) -> bool:
+        """`keep` kept bytes of `key` that are neither dropped nor restored yet."""
+        return key in self._versions
 
     def evict(self, key: str, to: Tier = Tier.NVME) -> Handle:
         """Force `key` down to `to` (HOST or NVME), writing it back if dirty; it must not be pinned."""

@@ -3,7 +3,8 @@
 `<dir>/rank<R>.swap` holds the bytes; `<dir>/rank<R>.index.json` (written by `flush`) maps each key
 to its offset, length, dtype, shape and checksum. A key is always rewritten into a fresh extent and
 the index switched only once the write completed, so a failed write leaves the old bytes and the
-old entry intact.
+old entry intact. A key's present extent may be kept aside (`keep`): later writes of the key then
+leave it in place until `drop_kept`, or until `restore_kept` makes it the key's bytes again.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class SwapFile:
         self.capacity = 0
         self._alloc = ExtentAllocator()
         self._entries: dict[str, IndexEntry] = {}
+        self._kept: dict[str, IndexEntry] = {}  # key -> an earlier entry kept aside (`keep`)
         self._lock = threading.Lock()
         if preallocate:
             with self._lock:
@@ -118,8 +120,7 @@ class SwapFile:
             with self._lock:
                 old = self._entries.get(key)
                 self._entries[key] = IndexEntry(ext, nbytes, dtype, tuple(shape), checksum)
-                if old is not None:
-                    self._alloc.free(old.extent)
+                self._free_unless_kept(key, old)
 
         return self._engine.write(self.file, ext.offset, array[: ext.length], checksum=self._checksum,
                                   finalize=finalize)
@@ -142,11 +143,36 @@ class SwapFile:
                                  checksum=entry.checksum is not None, finalize=finalize)
 
     def discard(self, key: str) -> None:
-        """Forget the key and reuse its extent."""
+        """Forget the key and reuse its extent (one kept aside stays kept)."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._alloc.free(entry.extent)
+            self._free_unless_kept(key, self._entries.pop(key, None))
+
+    def keep(self, key: str) -> None:
+        """Keep the key's present bytes where they are, whatever is written of it later."""
+        with self._lock:
+            assert key not in self._kept, f"{key!r} is kept already"
+            self._kept[key] = self._entries[key]
+
+    def drop_kept(self, key: str) -> None:
+        """The bytes `keep` kept are not wanted any more: their extent is reused."""
+        with self._lock:
+            kept = self._kept.pop(key)
+            if self._entries.get(key) is not kept:
+                self._alloc.free(kept.extent)
+
+    def restore_kept(self, key: str) -> None:
+        """The bytes `keep` kept are the key's again; those written since are forgotten."""
+        with self._lock:
+            kept = self._kept.pop(key)
+            current = self._entries.get(key)
+            if current is not None and current is not kept:
+                self._alloc.free(current.extent)
+            self._entries[key] = kept
+
+    def _free_unless_kept(self, key: str, entry: IndexEntry | None) -> None:
+        """Reuse `entry`'s extent, unless it is the one kept aside for `key` (self._lock held)."""
+        if entry is not None and self._kept.get(key) is not entry:
+            self._alloc.free(entry.extent)
 
     def flush(self) -> None:
         """Make completed writes durable and write the index (atomically: temp file + rename)."""

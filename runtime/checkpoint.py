@@ -109,6 +109,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
             meta = {"format": FORMAT, "tag": tag, "step": progress["step"], "world_size": sm.group.world,
                     "lr": progress["lr"], "lr_scheduler": progress.get("lr_scheduler"),
                     "loss_scale": progress["loss_scale"], "config": progress["config"],
+                    "speculating": progress.get("speculating"),
                     "units": _layout(sm), **sm.updates.counts.state_dict(),
                     "state_dict_keys": sm.state_dict_keys, **progress.get("model_record", {}),
                     "state_dtype": sm.store_state_dtype,

@@ -398,10 +398,20 @@ class Engine:
         late = self.gradients.finish_window(self.units)
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
         lr = self.lr
+        speculated = self.updates.speculated_units()
+        if overflow and speculated and not self.updates.take_back(sorted(speculated)):
+            # skipped, but the updates that ran beside backward cannot be taken back exactly
+            self.updates.halt("a step whose gradient norm was not finite came after updates had run beside backward "
+                              "that cannot be taken back exactly (clipping, speculated: see the log). Call "
+                              "engine.load_checkpoint() to go on from a saved state.")
+            self.updates.check()
         if not overflow:
             self.global_step += 1
             with_gradient = [u for u in self.units if u.index in self.gradients.with_gradient]
-            waiting = late if self.policy.overlapped else with_gradient  # overlapped: the rest started in backward
+            if speculated:  # they stand, or are done again clipped: [Note: speculative clipping]
+                self.updates.settle_speculation(coef)
+            # overlapped: the rest started in backward; speculated: those stand or are redone
+            waiting = late if self.policy.overlapped else [u for u in with_gradient if u.index not in speculated]
             if waiting:
                 forward = {index: pos for pos, index in enumerate(self.trace.recorded.get("forward", []))}
                 # the order the next forward wants them
@@ -417,6 +427,7 @@ class Engine:
         stats = {"grad_norm": norm, "loss_scale": self.scaler.scale, "skipped": overflow, "lr": lr,
                  "accumulating": False}
         self.gradients.reset(self.units, drop_grads=overflow)  # otherwise each update drops its own
+        self.gradients.speculating = self.policy.speculates and coef == 1.0
         if not overflow:
             self.schedule.applied()  # the scheduler's next rate, as DeepSpeed steps it after an update
         if not self._spill_said and self.store.bytes_swapped_out:  # even if read back since
@@ -450,7 +461,7 @@ class Engine:
                                + ". Call engine.step() first, then save.")
         tag = f"global_step{self.global_step}" if tag is None else tag
         progress = {"step": self.global_step, "lr": self.lr, "lr_scheduler": self.schedule.state_dict(),
-                    "loss_scale": self.scaler.state_dict(),
+                    "loss_scale": self.scaler.state_dict(), "speculating": self.gradients.speculating,
                     "config": self.config.to_dict(), "client_state": client_state,
                     "model_record": self.family.checkpoint_record(self.sharded.state_dict_keys)}
         return save_checkpoint(self.sharded, directory, tag, progress)
@@ -466,6 +477,9 @@ class Engine:
         self.schedule.load_state_dict(meta.get("lr_scheduler"))
         self.scaler.load_state_dict(meta["loss_scale"])
         self.gradients.reset(self.units, drop_grads=True)
+        # the next step takes the path the saved run's would have (the redo of a clipped speculation
+        # differs from a clipped update in the last bits): [Note: speculative clipping]
+        self.gradients.speculating = self.policy.speculates and meta.get("speculating", True) is not False
         return meta
 
     @_engine_call
@@ -489,6 +503,7 @@ class Engine:
         fetches = max(1, s["fetches"])
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
                  optimizer_seconds=self.updates.seconds, units=len(self.units), step=self.global_step,
+                 speculative_updates=dict(self.updates.speculated),
                  trace_divergences=self.trace.divergences, activations=dict(self._activations),
                  gathered={"bytes": self._gathered_bytes(), "peak": self._gathered_peak})
         return s

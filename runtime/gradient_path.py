@@ -23,6 +23,8 @@ Ctrl-C) has reduced the gradients of some units and not of others. `abandon_pass
   the window's cannot be taken apart again (the fp32 sum does not subtract back exactly, and
   keeping the addend would cost a gradient's memory every step): the whole window is dropped, and
   the error's note says so.
+- Updates speculated beside the pass (runtime/update_stream.py [Note: speculative clipping]) are
+  taken back: their states were kept aside for exactly that.
 - Where updates had started beside the pass (no clipping and no fp16), those units' parameters
   and optimizer states moved on. Undoing that means keeping a copy of every state an update
   overwrites, 12 bytes a parameter more, or reading it twice, on every step for the sake of a rare
@@ -89,6 +91,8 @@ class BackwardPass:
     waiting: set[int] = field(default_factory=set)  # of those, units whose update waits for `settle_ranks`
     before: Window | None = None  # the window as this pass found it, taken at its first gradient
     streamed: int = 0  # updates started beside this pass (`StatePolicy.overlapped`)
+    kept: set[int] = field(default_factory=set)  # units whose states are kept aside for a speculative update
+    speculated: list[int] = field(default_factory=list)  # units updated speculatively beside this pass
 
 
 class Undone(enum.Enum):
@@ -110,6 +114,9 @@ class GradientPath:
         self.device, self.work_device = device, work_device  # compute, and where updates run
         self.window = Window(policy.grad_accumulation)
         self.backward_pass = BackwardPass()
+        # This window's updates run behind backward before the norm is known, until a step clips
+        # (runtime/update_stream.py [Note: speculative clipping]); the engine sets it at each step.
+        self.speculating = policy.speculates
         self._said_incomplete = False
 
     # The window's fields that the engine reads.
@@ -189,8 +196,9 @@ class GradientPath:
         for i, g in enumerate(grads):
             used[i] = used[i] or g is not None
         waits = last and world > 1 and not all(used)  # for the other ranks' word: `settle_ranks`
-        hand_over = (first and last and not waits and self.policy.hands_over_window(window.window_steps)
-                     and unit.device == self.work_device)
+        speculates = last and not waits and self.speculating  # unless its states cannot be kept: `hand_over`
+        hand_over = (first and last and not waits and unit.device == self.work_device
+                     and self.policy.hands_over_window(window.window_steps, speculating=speculates))
         in_memory = self.policy.step_in_memory and window.window_steps == 1
         with torch.no_grad():
             pieces = unit.gradient_pieces(grads, 1.0 / (world * window.micro_batches * self.scaler.scale),
@@ -286,11 +294,32 @@ class GradientPath:
 
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
         """After `receive` and once the unit is released (an update changes its shard): on the last
-        micro-step of an overlapped step, its update starts now, behind the rest of backward."""
+        micro-step of an overlapped step, its update starts now, behind the rest of backward; of a
+        speculating one, where its states could be kept aside."""
         window, now = self.window, self.backward_pass
-        if window.micro + 1 == window.window_steps and self.policy.overlapped and unit.index not in now.waiting:
-            self.updates.overlap(unit, lr, handed, window.idle, bounded=window.window_steps == 1)
+        if window.micro + 1 != window.window_steps or unit.index in now.waiting:
+            return
+        bounded = window.window_steps == 1
+        if self.policy.overlapped:
+            self.updates.overlap(unit, lr, handed, window.idle, bounded=bounded)
             now.streamed += 1
+        elif not self.speculating:
+            return
+        elif not math.isfinite(window.sqnorm.get(unit.index, 0.0)):  # never applied, even for a moment
+            self.speculating = False
+            if handed is not None:
+                self._put_all(unit, handed)
+        elif self.updates.keep_states(unit):  # at no cost: [Note: kept versions] in offload/kept_versions.py
+            now.kept.add(unit.index)
+            self.updates.overlap(unit, lr, handed, window.idle, bounded=bounded, speculative=True)
+            now.speculated.append(unit.index)  # taken back if the pass fails
+        elif handed is not None:  # its gradient waits for the norm after all, in the store
+            self._put_all(unit, handed)
+
+    def _put_all(self, unit: FlatUnit, handed: list[list[torch.Tensor]]) -> None:
+        """A gradient that was to be handed over waits in the store after all."""
+        for c, parts in zip(unit.chunks, handed, strict=True):
+            self._put(c, parts)
 
     def global_norm(self, grad_clip: float | None) -> tuple[float | None, float, bool]:
         """Gradient norm over all shards and ranks, the clip coefficient, and fp16 overflow (a norm
@@ -322,7 +351,8 @@ class GradientPath:
         the engine until a checkpoint is loaded."""
         now, before = self.backward_pass, self.backward_pass.before or self.window  # None: no gradient came
         self.backward_pass = BackwardPass()
-        if now.streamed:
+        exact = self.updates.take_back(now.speculated, sorted(now.kept - set(now.speculated)))
+        if now.streamed or not exact:
             return Undone.NOTHING
         new = self.window.with_gradient - before.with_gradient
         summed = set(now.parts) & before.with_gradient  # added into what earlier micro-steps left there

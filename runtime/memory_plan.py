@@ -269,6 +269,11 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
         work["runtime"] += copies
         if not work_on_device:
             host_needs.append(("one optimizer chunk in fp32 while it updates", copies))
+    if policy.speculates:
+        # Speculative clipping keeps each unit's states aside until the step: on NVMe where they were
+        # read from it, the earlier extents not yet reused (runtime/update_stream.py [Note:
+        # speculative clipping]); copies in HOST are taken only where it has free room.
+        nvme["runtime"] += state_all + param_all
     ample = depth  # optimizer chunks read ahead with room: more only when streamed from NVMe
     if work_on_device:  # states, gradients and the update all live on the device
         dev_min = dev["states"] + dev["runtime"]

@@ -191,6 +191,16 @@ class StatePolicy:
         return not self.clipping and self.dtype != "fp16" and not self.step_in_memory
 
     @property
+    def speculates(self) -> bool:
+        """Clipping whose updates may run behind backward before the norm is known
+        (runtime/update_stream.py [Note: speculative clipping]): the optimizer states rest on NVMe,
+        where keeping the old ones costs nothing; fp32 parameter shards that are their own masters,
+        and fp32 states, so that a redo finds the gradient again in the first moments; ZeRO-3
+        shards, not parameters resident on every rank."""
+        return (self.clipping and self.dtype == "fp32" and self.state_dtype == "fp32" and self.master_is_param
+                and self.offload_optimizer == "nvme" and not self.resident)
+
+    @property
     def step_in_memory(self) -> bool:
         """Nothing to stream: one rank, fp32, every state in device memory (the flat buffers are the
         stored shards), one backward pass per step and no clipping. The gradients then stay as
@@ -212,7 +222,8 @@ class StatePolicy:
         when that is already where the update runs (always on a CPU): no store key, no copy."""
         return self.hands_over_window(self.grad_accumulation)
 
-    def hands_over_window(self, micro_steps: int) -> bool:
-        """`hands_over` for a window of `micro_steps` backward passes (train_batch's is one)."""
+    def hands_over_window(self, micro_steps: int, *, speculating: bool = False) -> bool:
+        """`hands_over` for a window of `micro_steps` backward passes (train_batch's is one), and
+        for a speculated update (`speculating`), which takes its gradient as an overlapped one does."""
         work_on_device = self.offload_optimizer == "none"
-        return self.overlapped and micro_steps == 1 and (self.device_type == "cpu" or work_on_device)
+        return (self.overlapped or speculating) and micro_steps == 1 and (self.device_type == "cpu" or work_on_device)

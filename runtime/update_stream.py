@@ -11,6 +11,27 @@ unit's next gather, a checkpoint or a state dict calls before reading it. `drain
 The stream also keeps the optimizer's step counts (AdamW's bias correction; runtime/step_counts.py).
 `idle`, where given, names by unit index the parameters that got no gradient this step: they sit
 the update out, as torch.optim skips a parameter whose `.grad` is None.
+
+[Note: speculative clipping] With clipping, an update needs the global norm, known only once
+backward has ended. Waiting for it holds every gradient until the step, and under small budgets
+they spill to NVMe and back, and the parameter shards are read once more for the update
+(docs/benchmarks.md). Most fine-tuning steps do not clip. So while the last step did not
+(`StatePolicy.speculates`), each unit's update runs behind backward as if this one will not, in
+place, as an unclipped update does. Before it, the store keeps the unit's moments aside
+(offload/kept_versions.py [Note: kept versions]): moments just read from NVMe are kept where they
+lie in the swap file, at no cost in memory or I/O. A unit whose moments are dirty in memory and
+find no free room for a copy does not speculate: its gradient waits for the norm, as before.
+At the step:
+- a clip coefficient of 1 makes each speculation exact (clip_grad_norm_ multiplies by 1.0), and
+  the kept moments are let go;
+- below 1, each unit is updated again (runtime/speculative_redo.py): its parameters are taken back
+  from the new moments, its old moments come back, and its gradient, recovered from the two first
+  moments to within a few ulps, is applied scaled. The next step then waits for the norm;
+- a non-finite norm takes every speculation back: the step is skipped, as without it.
+A failed backward pass takes back the speculations it started. The step counts advance once a
+unit's update is settled, so that a redo runs with the count the speculation had. The bytes of a
+step that does not clip are those of the unclipped step; one that clips reads the new and the kept
+moments again.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ from outcore.offload.background import background_pool
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
 from outcore.runtime.policy import HANDED_OVER, Placement
+from outcore.runtime.speculative_redo import redo_clipped
 from outcore.runtime.step_counts import StepCounts
 from outcore.runtime.stochastic_rounding import StochasticRounding
 
@@ -56,6 +78,10 @@ class UpdateStream:
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
         self._next: dict[int, int] = {}
+        # Speculative updates of this window (unit index -> its lr and idle slots), in the order they
+        # started: see [Note: speculative clipping].
+        self._speculated: dict[int, tuple[float, frozenset[int]]] = {}
+        self.speculated = {"kept": 0, "redone": 0, "taken_back": 0}  # units, over the run: stats()
         # The first update that failed (or a checkpoint load that stopped partway): raised once, to
         # whoever waited for it. The states are then partly written, so every later use of the
         # stream refuses until a load succeeds (close() only cleans up).
@@ -64,11 +90,15 @@ class UpdateStream:
     # -- starting updates -------------------------------------------------------------------------
 
     def overlap(self, unit: FlatUnit, lr: float, handed: list[list[torch.Tensor]] | None,
-                idle: Mapping[int, frozenset[int]], *, bounded: bool) -> None:
+                idle: Mapping[int, frozenset[int]], *, bounded: bool, speculative: bool = False) -> None:
         """Update `unit` now, behind backward; `handed`: its gradient in memory, per chunk (else
         the chunks' gradient keys in the store). `bounded`: its gradient was made in this backward
-        alone (a window of one micro-step), so waiting for earlier updates frees memory."""
+        alone (a window of one micro-step), so waiting for earlier updates frees memory.
+        `speculative`: unclipped, its states kept aside (`keep_states`) until `settle_speculation`
+        ([Note: speculative clipping])."""
         self.check()
+        if speculative:
+            self._speculated[unit.index] = (lr, frozenset(idle.get(unit.index, ())))
         self._order.append(unit.index)
         following = self._next.get(unit.index)
         then = self.units[following].chunks if following is not None else []
@@ -76,7 +106,7 @@ class UpdateStream:
             behind = self._behind_backward
             while behind and (behind[0].done() or len(behind) >= HANDED_OVER):
                 self._result(behind.popleft())
-        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle))
+        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle), speculative)
         self._pending[unit.index] = future
         if bounded:
             self._behind_backward.append(future)
@@ -124,6 +154,87 @@ class UpdateStream:
 
         self._thread.submit(run)
 
+    # -- speculation ([Note: speculative clipping]) ------------------------------------------------
+
+    def keep_states(self, unit: FlatUnit) -> bool:
+        """Keep the states an update of `unit` changes aside, where the store can at no cost
+        (offload/kept_versions.py). True where its moments were kept, and its update may then
+        speculate. Its parameter shard is kept where it can be too, for an exact take-back; where it
+        cannot, a redo finds it again from the moments (runtime/speculative_redo.py)."""
+        if not self.store.keep([c.opt_key for c in unit.chunks]):
+            return False
+        self.store.keep([unit.param_key])
+        return True
+
+    def settle_speculation(self, coef: float) -> None:
+        """At the step, once the clip coefficient is known: the window's speculative updates stand
+        (`coef` 1: their kept states are let go) or are done again from the kept states with the
+        gradient scaled by `coef`. Each unit's future completes when it is settled; the work runs on
+        the optimizer thread, after the speculative updates."""
+        self.check()
+        speculated, self._speculated = self._speculated, {}
+        if not speculated:
+            return
+        started = [f for index in speculated if (f := self._pending.get(index)) is not None]
+        futures: dict[int, Future] = {index: Future() for index in speculated}
+        self._pending.update(futures)
+
+        def run() -> None:
+            try:
+                for f in started:  # done (the same thread ran them): a failed one fails its step
+                    error = f.exception()
+                    if error is not None:
+                        raise error
+                for index, (lr, idle) in speculated.items():
+                    unit = self.units[index]
+                    if coef == 1.0:
+                        for key in self._kept_keys(unit):
+                            self.store.drop_kept(key)
+                    else:
+                        redo_clipped(unit, self.store, self.place, self.hp, self.counts, lr=lr, coef=coef,
+                                     idle=idle)
+                    self.speculated["kept" if coef == 1.0 else "redone"] += 1
+                    self.counts.advance(index, len(unit.plan.slots), idle)
+                    futures[index].set_result(None)
+            except BaseException as e:
+                for f in futures.values():
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+
+        self._thread.submit(run)
+
+    def speculated_units(self) -> frozenset[int]:
+        """The units updated speculatively in this window (settled at its step)."""
+        return frozenset(self._speculated)
+
+    def take_back(self, units: Sequence[int], unstarted: Sequence[int] = ()) -> bool:
+        """Take back the speculative updates of `units` (a failed backward pass, or a step whose norm
+        is not finite), once each is done, whatever its outcome: their kept states come back. False
+        where some unit's parameter shard could not be kept: its update cannot be taken back
+        exactly, and the caller stops the engine (`halt`). `unstarted`: units whose states were
+        kept for an update that never started (let go)."""
+        exact = True
+        for index in units:
+            future = self._pending.pop(index, None)
+            if future is not None:
+                future.exception()  # done, whatever its outcome: nobody else will look
+            if self._speculated.pop(index, None) is not None:
+                self.speculated["taken_back"] += 1
+            unit = self.units[index]
+            exact = exact and self.store.is_kept(unit.param_key)
+            for key in self._kept_keys(unit):
+                self.store.restore_kept(key)
+        for index in unstarted:
+            for key in self._kept_keys(self.units[index]):
+                self.store.drop_kept(key)
+        return exact
+
+    def _kept_keys(self, unit: FlatUnit) -> list[str]:
+        """The store keys kept aside for a speculative update of `unit` (`keep_states`)."""
+        keys = [c.opt_key for c in unit.chunks] + [unit.param_key]
+        return [k for k in keys if self.store.is_kept(k)]
+
     # -- waiting ----------------------------------------------------------------------------------
 
     def updating(self, index: int) -> bool:
@@ -149,9 +260,13 @@ class UpdateStream:
 
     def abandon(self) -> None:
         """Before a checkpoint load replaces every state: wait for the updates in flight, whatever
-        their outcome, and forget them."""
+        their outcome, and forget them; what speculative ones kept is let go."""
         self._take_all()
         self._behind_backward.clear()
+        speculated, self._speculated = self._speculated, {}
+        for index in speculated:
+            for key in self._kept_keys(self.units[index]):
+                self.store.drop_kept(key)
 
     def halt(self, why: str, cause: BaseException | None = None) -> None:
         """Something beside the updates left the states unfit to go on from (`why` says what, and
@@ -217,20 +332,21 @@ class UpdateStream:
 
     def _timed(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
-               idle: dict[int, frozenset[int]]) -> None:
+               idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
         t0 = time.perf_counter()
         try:
-            self._stream(order, lr, coef, then, finished, grad, idle)
+            self._stream(order, lr, coef, then, finished, grad, idle, speculative)
         finally:
             self.seconds += time.perf_counter() - t0
 
     def _stream(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
                 finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
-                idle: dict[int, frozenset[int]]) -> None:
+                idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
         """Chunk by chunk, with the next `depth` chunks' states on their way to the work tier (past
         the end of `order`, the optimizer states of the chunks in `then`). Each unit's step count
         advances as its last chunk is done, and then its future in `finished` (if given) completes.
-        `grad`: one unit's gradient handed over in memory, per chunk (its chunks read no grad keys)."""
+        `grad`: one unit's gradient handed over in memory, per chunk (its chunks read no grad keys).
+        `speculative`: the step counts advance only once the update is settled."""
         streaming = self.place.opt_tier != self.place.work_tier
         with ParamWriter(self.store, self.place) as params:
             for i, chunk in enumerate(order):
@@ -244,7 +360,7 @@ class UpdateStream:
                               grad_scale=coef, grads=None if grad is None else [grad[chunk.index]], idle=idle,
                               rounding=self.rounding)
                 unit = chunk.unit
-                if chunk is unit.chunks[-1]:
+                if chunk is unit.chunks[-1] and not speculative:
                     self.counts.advance(unit.index, len(unit.plan.slots), idle.get(unit.index, ()))
                     if finished is not None:
                         finished[unit.index].set_result(None)

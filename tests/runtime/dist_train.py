@@ -43,7 +43,8 @@ def main(out_path: str, config_json: str, steps: int) -> None:
     if rank == 0:
         torch.save(sd, out_path + ".pt")
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "world": world, "swap_files": swap_files, "between_steps": between_steps}, f)
+            json.dump({"losses": losses, "world": world, "swap_files": swap_files, "between_steps": between_steps,
+                       "speculative_updates": engine.stats()["speculative_updates"]}, f)
     engine.close()
     dist.destroy_process_group()
 

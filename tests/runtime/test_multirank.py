@@ -20,7 +20,10 @@ HERE = os.path.dirname(__file__)
 @pytest.mark.parametrize("stage, params, optim, clip, chunk, compiled", [(3, "nvme", "nvme", 1.0, 1024, False),
                                                                          (3, "cpu", "none", None, 1 << 22, False),
                                                                          (2, "none", "nvme", 1.0, 2048, False),
-                                                                         (3, "nvme", "nvme", None, 1024, True)])
+                                                                         (3, "nvme", "nvme", None, 1024, True),
+                                                                         # clipping that never clips: every
+                                                                         # update speculated and kept
+                                                                         (3, "cpu", "nvme", 100.0, 1024, False)])
 def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, optim, clip, chunk, compiled):
     out = str(tmp_path / "result.json")
     cfg = {"stage": stage, "offload_params": params, "offload_optimizer": optim, "nvme_dir": str(tmp_path / "nvme"),
@@ -32,6 +35,11 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     got = json.load(open(out))
     assert got["world"] == 2 and got["swap_files"] == ["rank0.swap", "rank1.swap"]
     assert got["between_steps"] == ("refused" if stage == 3 else "read")
+    # speculative clipping (ZeRO-3, optimizer on NVMe): the clip at 1.0 makes the first step redo its
+    # speculation and the next ones wait; at 100 every step's speculation stands
+    speculated = stage == 3 and optim == "nvme" and clip is not None
+    assert got["speculative_updates"] == {"kept": 12 * 4 if clip == 100.0 else 0,
+                                          "redone": 4 if speculated and clip == 1.0 else 0, "taken_back": 0}
     _, ref_model = twins(TinyGPT)
     ref = train_plain(ref_model, batches(12, batch=4), clip=clip)
     assert_losses_match(got["losses"], ref, rel=1e-5)

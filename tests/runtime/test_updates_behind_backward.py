@@ -21,7 +21,7 @@ def gpu_like_updates(monkeypatch):
     """Gradients go through the store, as a GPU's do to a HOST work tier (a CPU hands its over in
     memory), and each update takes far longer than the backward of a unit. Records how many
     updates ran at once behind backward."""
-    monkeypatch.setattr(StatePolicy, "hands_over_window", lambda self, micro_steps: False)
+    monkeypatch.setattr(StatePolicy, "hands_over_window", lambda self, micro_steps, speculating=False: False)
     real = update_stream.update_chunks
     seen = {"most": 0}
     lock = threading.Lock()

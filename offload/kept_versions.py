@@ -1,0 +1,107 @@
+"""Earlier bytes of keys kept aside while their owner changes them: `TieredStore.keep`.
+
+[Note: kept versions] An owner that may have to take a change back (a speculative update, runtime/
+update_stream.py [Note: speculative clipping]) asks the store to keep a key's present bytes before
+it changes the key in place. A key that is not dirty has those bytes in the swap file already
+([Note: residency]), and keeping them there costs nothing: the swap file writes every new version
+of a key to a fresh extent (offload/swap_file.py), and the kept extent is simply not reused until
+the owner decides. A dirty key is copied into free HOST memory, never by evicting anything; where
+there is no such room, nothing is kept and `keep` says so, so that the owner can take another way.
+The owner then either drops the kept bytes (its change stands) or restores them (the key is again
+what it was, and whatever was written of it since is forgotten).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from outcore.offload.buffers import HostBuffer
+from outcore.offload.residency import KeyRecord, Residency, Tier
+from outcore.offload.store_core import StoreCore
+
+
+class KeptVersions:
+    """The kept bytes of a store's keys: in its swap file (None), or a copy in HOST memory."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self._kept: dict[str, HostBuffer | None] = {}
+
+    def keep(self, keys: Iterable[str]) -> bool:
+        """Keep each key's present bytes aside, all or none; False where a dirty key found no free
+        HOST memory for its copy (then nothing is kept)."""
+        core = self._core
+        with core._cond:
+            core._check_open()
+            taken: list[str] = []
+            for key in keys:
+                if key in self._kept:
+                    continue
+                rec = core._record(key)
+                assert rec.source is None, f"{key!r} is read from files outcore does not own: never changed"
+                if not rec.dirty and core._swap.entry(key) is not None:
+                    core._swap.keep(key)
+                    self._kept[key] = None
+                else:
+                    copy = self._copy(rec)
+                    if copy is None:
+                        for k in taken:
+                            self._drop(k)
+                        return False
+                    self._kept[key] = copy
+                taken.append(key)
+            return True
+
+    def drop(self, key: str) -> None:
+        """The change stands: the kept bytes of `key` are let go."""
+        with self._core._cond:
+            self._drop(key)
+
+    def restore(self, key: str) -> None:
+        """Take the change back: `key` holds its kept bytes again (it must not be pinned)."""
+        core = self._core
+        with core._cond:
+            rec = core._settled_record(key)
+            copy = self._kept.pop(key)
+            if rec.buffer is not None:
+                core._free(rec.stable_tier, rec.buffer)
+            if copy is None:
+                core._swap.restore_kept(key)
+                state, dirty = Residency.NVME, False
+            else:
+                core._swap.discard(key)  # a copy of the change, if it was written
+                state, dirty = Residency.HOST, True
+            core._records[key] = KeyRecord(key, rec.nbytes, rec.dtype, rec.shape, state, buffer=copy, dirty=dirty,
+                                           home=rec.home, return_home=rec.return_home)
+            core._cond.notify_all()
+
+    def forget(self, key: str) -> None:
+        """`key` leaves the store or is replaced: whatever was kept of it goes too (lock held)."""
+        if key in self._kept:
+            self._drop(key)
+
+    def __contains__(self, key: str) -> bool:
+        with self._core._cond:
+            return key in self._kept
+
+    def _drop(self, key: str) -> None:
+        copy = self._kept.pop(key)
+        if copy is None:
+            self._core._swap.drop_kept(key)
+        else:
+            self._core._free(Tier.HOST, copy)
+
+    def _copy(self, rec: KeyRecord) -> HostBuffer | None:
+        """A copy of a dirty key's bytes in free HOST memory; None where there is none (or the bytes
+        are not in memory yet: a put still being filled)."""
+        core, source = self._core, rec.buffer
+        if source is None:
+            return None
+        copy = core._host.try_acquire(rec.nbytes)
+        if copy is None:
+            return None
+        if isinstance(source, HostBuffer):
+            copy.tensor[: rec.nbytes].copy_(source.tensor[: rec.nbytes])
+        else:
+            core._cuda.to_host(source, copy, rec.nbytes)
+        return copy
