@@ -5,8 +5,11 @@ update_stream.py [Note: speculative clipping]) asks the store to keep a key's pr
 it changes the key in place. A key that is not dirty has those bytes in the swap file already
 ([Note: residency]), and keeping them there costs nothing: the swap file writes every new version
 of a key to a fresh extent (offload/swap_file.py), and the kept extent is simply not reused until
-the owner decides. A dirty key is copied into free HOST memory, never by evicting anything; where
-there is no such room, nothing is kept and `keep` says so, so that the owner can take another way.
+the owner decides. A dirty key is copied into free HOST memory, never by evicting anything, and
+only while more than half the HOST budget stays free beside the copy: held until the owner decides,
+a copy in the room the working set is about to need would push the keys it needs next out, each
+written and read back (docs/benchmarks.md). Where there is no such room, nothing is kept and
+`keep` says so, so that the owner can take another way.
 The owner then either drops the kept bytes (its change stands) or restores them (the key is again
 what it was, and whatever was written of it since is forgotten).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from outcore.offload.buffers import HostBuffer
+from outcore.offload.io_config import round_up
 from outcore.offload.residency import KeyRecord, Residency, Tier
 from outcore.offload.store_core import StoreCore
 
@@ -92,12 +96,15 @@ class KeptVersions:
             self._core._free(Tier.HOST, copy)
 
     def _copy(self, rec: KeyRecord) -> HostBuffer | None:
-        """A copy of a dirty key's bytes in free HOST memory; None where there is none (or the bytes
-        are not in memory yet: a put still being filled)."""
+        """A copy of a dirty key's bytes in free HOST memory; None where there is not room enough (or
+        the bytes are not in memory yet: a put still being filled)."""
         core, source = self._core, rec.buffer
         if source is None:
             return None
-        copy = core._host.try_acquire(rec.nbytes)
+        pool = core._host
+        if pool.available() - round_up(rec.nbytes) < pool.budget // 2:  # room the working set needs
+            return None
+        copy = pool.try_acquire(rec.nbytes)
         if copy is None:
             return None
         if isinstance(source, HostBuffer):

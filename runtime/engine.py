@@ -401,6 +401,7 @@ class Engine:
         speculated = self.updates.speculated_units()
         if overflow and speculated and not self.updates.take_back(sorted(speculated)):
             # skipped, but the updates that ran beside backward cannot be taken back exactly
+            self.gradients.reset(self.units, drop_grads=True)
             self.updates.halt("a step whose gradient norm was not finite came after updates had run beside backward "
                               "that cannot be taken back exactly (clipping, speculated: see the log). Call "
                               "engine.load_checkpoint() to go on from a saved state.")

@@ -3,7 +3,7 @@ speculative clipping]).
 
 The speculation changed three things in place: the unit's parameter shard, and each chunk's two
 moments. The moments were kept aside (`TieredStore.keep`), and so was the parameter shard where
-that cost nothing. Where it did not (a dirty shard, and no free memory for a copy), what the update
+that cost nothing. Where it did not (a dirty shard, and no room for a copy), what the update
 did to it is taken back from the new moments instead: AdamW moved each parameter by
 `lr / bc1 * m' / (sqrt(v' / bc2) + eps)` after scaling it by `1 - lr * weight_decay`, so adding
 that back and dividing finds the old parameter to within an ulp or two. The gradient comes back

@@ -20,7 +20,7 @@ they spill to NVMe and back, and the parameter shards are read once more for the
 place, as an unclipped update does. Before it, the store keeps the unit's moments aside
 (offload/kept_versions.py [Note: kept versions]): moments just read from NVMe are kept where they
 lie in the swap file, at no cost in memory or I/O. A unit whose moments are dirty in memory and
-find no free room for a copy does not speculate: its gradient waits for the norm, as before.
+find no room for a copy does not speculate: its gradient waits for the norm, as before.
 At the step:
 - a clip coefficient of 1 makes each speculation exact (clip_grad_norm_ multiplies by 1.0), and
   the kept moments are let go;
@@ -81,7 +81,9 @@ class UpdateStream:
         # Speculative updates of this window (unit index -> its lr and idle slots), in the order they
         # started: see [Note: speculative clipping].
         self._speculated: dict[int, tuple[float, frozenset[int]]] = {}
-        self.speculated = {"kept": 0, "redone": 0, "taken_back": 0}  # units, over the run: stats()
+        # Units, over the run (stats()): speculations that stood, were redone or taken back, and units
+        # of a speculating window that waited for the norm (their states could not be kept).
+        self.speculated = {"kept": 0, "redone": 0, "taken_back": 0, "waited": 0}
         # The first update that failed (or a checkpoint load that stopped partway): raised once, to
         # whoever waited for it. The states are then partly written, so every later use of the
         # stream refuses until a load succeeds (close() only cleans up).
@@ -162,6 +164,7 @@ class UpdateStream:
         speculate. Its parameter shard is kept where it can be too, for an exact take-back; where it
         cannot, a redo finds it again from the moments (runtime/speculative_redo.py)."""
         if not self.store.keep([c.opt_key for c in unit.chunks]):
+            self.speculated["waited"] += 1
             return False
         self.store.keep([unit.param_key])
         return True

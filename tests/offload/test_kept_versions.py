@@ -71,17 +71,18 @@ def test_a_dirty_key_is_copied_into_free_host_memory_and_restored_from_it(tmp_pa
         assert torch.equal(value_of(store, "k"), torch.full((N,), 6.0))
 
 
-def test_no_room_for_a_copy_keeps_nothing_and_evicts_nothing(tmp_path):
-    with TieredStore(str(tmp_path), host_budget=2 * N * 4, device_budget=1 << 20) as store:
+def test_a_copy_takes_no_room_the_working_set_needs_keeps_nothing_and_evicts_nothing(tmp_path):
+    """A copy is taken only while more than half the HOST budget stays free beside it."""
+    with TieredStore(str(tmp_path), host_budget=4 * N * 4, device_budget=1 << 20) as store:
         store.put("clean", torch.ones(N)).wait()
-        store.put("a", torch.randn(N), Tier.HOST)
-        store.put("b", torch.randn(N), Tier.HOST)  # HOST is full of dirty keys
+        for key in ("a", "b"):
+            store.put(key, torch.randn(N), Tier.HOST)  # dirty: the swap file has no bytes of them
         written = store.stats()["bytes_written"]
-        assert not store.keep(["clean", "a"])
+        assert not store.keep(["clean", "a"])  # a copy of "a" would leave a quarter free
         assert not store.is_kept("clean")  # all or none
         assert store.stats()["evictions"] == 0 and store.stats()["bytes_written"] == written
         store.delete("b")
-        assert store.keep(["clean", "a"])
+        assert store.keep(["clean", "a"])  # half stays free
         store.delete("a")  # a key that leaves takes its kept copy with it
         assert store.stats()["host"]["in_use"] == 0
         store.drop_kept("clean")
