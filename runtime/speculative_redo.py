@@ -2,9 +2,9 @@
 speculative clipping]).
 
 The speculation changed three things in place: the unit's parameter shard, and each chunk's two
-moments. The moments were kept aside (`TieredStore.keep`), and so was the parameter shard where
-that cost nothing. Where it did not (a dirty shard, and no room for a copy), what the update
-did to it is taken back from the new moments instead: AdamW moved each parameter by
+moments. The moments were kept aside (`TieredStore.keep`). The parameter shard was kept only where
+that cost nothing (for a failed pass), so what the update did to it is taken back from the new
+moments, always, for the same bits whichever shards were kept: AdamW moved each parameter by
 `lr / bc1 * m' / (sqrt(v' / bc2) + eps)` after scaling it by `1 - lr * weight_decay`, so adding
 that back and dividing finds the old parameter to within an ulp or two. The gradient comes back
 from the two first moments, m' = m + (1 - beta1)(g - m) (torch.lerp's form, which the fused kernel
@@ -30,16 +30,14 @@ def redo_clipped(unit: FlatUnit, store: TieredStore, place: Placement, hp: AdamW
     """Undo `unit`'s speculative update and apply it again with the gradient scaled by `coef`;
     its step counts are those the speculation ran with (not advanced yet)."""
     beta1, work = hp.betas[0], place.work_tier
-    kept = store.is_kept(unit.param_key)
-    if kept:
-        store.restore_kept(unit.param_key)
+    if store.is_kept(unit.param_key):  # kept for a failed pass; a redo takes it back the one way
+        store.drop_kept(unit.param_key)
     with ParamWriter(store, place) as params:
         for c in unit.chunks:
             new = store.fetch_now(c.opt_key, work)
             try:
                 m_new, v_new = new.chunk(2)
-                if not kept:
-                    undo_update(c, params.master(c), m_new, v_new, hp, counts, lr=lr, idle=idle)
+                undo_update(c, params.master(c), m_new, v_new, hp, counts, lr=lr, idle=idle)
                 grad = m_new.clone()
             finally:
                 store.release(c.opt_key)

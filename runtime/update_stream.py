@@ -18,15 +18,17 @@ they spill to NVMe and back, and the parameter shards are read once more for the
 (docs/benchmarks.md). Most fine-tuning steps do not clip. So while the last step did not
 (`StatePolicy.speculates`), each unit's update runs behind backward as if this one will not, in
 place, as an unclipped update does. Before it, the store keeps the unit's moments aside
-(offload/kept_versions.py [Note: kept versions]): moments just read from NVMe are kept where they
-lie in the swap file, at no cost in memory or I/O. A unit whose moments are dirty in memory and
-find no room for a copy does not speculate: its gradient waits for the norm, as before.
+(offload/kept_versions.py [Note: kept versions]): moments resting on NVMe are clean when read
+(each update writes them back) and are kept where they lie in the swap file, at no cost in memory
+or I/O. Units whose moments rest in HOST wait for the norm, as before: which units speculate
+depends on the plan, not on timing, so a run and its resumption take the same path, bit for bit.
 At the step:
 - a clip coefficient of 1 makes each speculation exact (clip_grad_norm_ multiplies by 1.0), and
   the kept moments are let go;
 - below 1, each unit is updated again (runtime/speculative_redo.py): its parameters are taken back
-  from the new moments, its old moments come back, and its gradient, recovered from the two first
-  moments to within a few ulps, is applied scaled. The next step then waits for the norm;
+  from the new moments (always so, even where the shard was kept: the same bits whatever the
+  timing), its old moments come back, and its gradient, recovered from the two first moments to
+  within a few ulps, is applied scaled. The next step then waits for the norm;
 - a non-finite norm takes every speculation back: the step is skipped, as without it.
 A failed backward pass takes back the speculations it started. The step counts advance once a
 unit's update is settled, so that a redo runs with the count the speculation had. The bytes of a
@@ -161,8 +163,12 @@ class UpdateStream:
     def keep_states(self, unit: FlatUnit) -> bool:
         """Keep the states an update of `unit` changes aside, where the store can at no cost
         (offload/kept_versions.py). True where its moments were kept, and its update may then
-        speculate. Its parameter shard is kept where it can be too, for an exact take-back; where it
-        cannot, a redo finds it again from the moments (runtime/speculative_redo.py)."""
+        speculate: moments resting on NVMe, which are clean when read (written back after each
+        update), so that which units speculate does not depend on timing. Its parameter shard is
+        kept where it can be too, for an exact take-back after a failed pass (a redo always finds it
+        again from the moments: runtime/speculative_redo.py)."""
+        if self.place.opt_home(unit.index) != Tier.NVME:  # resting in HOST: dirty, only a copy would keep them
+            return False
         if not self.store.keep([c.opt_key for c in unit.chunks]):
             self.speculated["waited"] += 1
             return False

@@ -206,6 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq", type=positive_int, help="context length of the activations sized (default: the "
                    "model's)")
     e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
+    pr = e.add_argument_group("step prediction (--predict; one stage and offload setting)")
+    pr.add_argument("--predict", action="store_true", help="predict the step: its time by kind of work, what "
+                   "bounds it, tokens/s and MFU, and the accumulation at which compute bounds it (needs --batch)")
+    pr.add_argument("--device-budget", type=_size, help="DEVICE budget the run will have (default: derived)")
+    pr.add_argument("--host-budget", type=_size, help="HOST budget the run will have (default: derived)")
+    pr.add_argument("--checkpoint-activations", action="store_true", help="the run recomputes each block's forward")
+    pr.add_argument("--vertical", action="store_true", help="each step one train_batch of --accumulate micro-batches")
+    pr.add_argument("--disk", metavar="JSON", help="the disk's rates from `outcore bench-disk --json` (default: "
+                   "measured now in --nvme-dir)")
+    pr.add_argument("--nvme-dir", default=".", help="where to measure the disk when no --disk is given (default .)")
+    pr.add_argument("--flops", type=float, help="FLOP/s the compute reaches (default: a matrix product measured now)")
+    pr.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (default: --flops)")
+    pr.add_argument("--adam-rate", type=float, help="parameters/s the CPU's AdamW updates (default: measured now)")
+    pr.add_argument("--host-device-rate", type=float, help="bytes/s between host memory and the GPU (default 25e9 "
+                   "with --device cuda)")
 
     x = sub.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file or an HF directory")
     x.add_argument("checkpoint", help="a checkpoint directory (its latest tag is used) or a tag folder")

@@ -12,6 +12,7 @@ from helpers import HP  # noqa: E402
 from models import TinyGPT, batches  # noqa: E402
 
 import outcore  # noqa: E402
+from outcore.offload import Tier  # noqa: E402
 from outcore.runtime.released import ReleasedParameterError  # noqa: E402
 
 
@@ -44,7 +45,9 @@ def main(out_path: str, config_json: str, steps: int) -> None:
         torch.save(sd, out_path + ".pt")
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "world": world, "swap_files": swap_files, "between_steps": between_steps,
-                       "speculative_updates": engine.stats()["speculative_updates"]}, f)
+                       "speculative_updates": engine.stats()["speculative_updates"],
+                       "states_on_nvme": sum(1 for u in engine.units
+                                             if u.chunks and engine.place.opt_home(u.index) == Tier.NVME)}, f)
     engine.close()
     dist.destroy_process_group()
 

@@ -37,12 +37,11 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
     assert got["between_steps"] == ("refused" if stage == 3 else "read")
     # speculative clipping (ZeRO-3, optimizer on NVMe): the clip at 1.0 makes the first step redo its
     # speculation and the next ones wait; at 100 every step's speculation stands
-    # (a unit whose states found no room to be kept waits for the norm instead)
-    counts = got["speculative_updates"]
-    speculating_steps = {100.0: 12, 1.0: 1}.get(clip, 0) if stage == 3 and optim == "nvme" else 0
-    assert counts["kept"] + counts["redone"] + counts["waited"] == speculating_steps * 4
-    assert counts["kept" if clip == 100.0 else "redone"] >= speculating_steps * 4 // 2
-    assert counts["taken_back"] == 0
+    # (units whose states the host budget keeps wait for the norm)
+    n = got["states_on_nvme"] if stage == 3 and optim == "nvme" else 0
+    assert got["speculative_updates"] == {"kept": 12 * n if clip == 100.0 else 0, "redone": n if clip == 1.0 else 0,
+                                          "taken_back": 0, "waited": 0}
+    assert n >= 2 or stage < 3 or optim != "nvme"
     _, ref_model = twins(TinyGPT)
     ref = train_plain(ref_model, batches(12, batch=4), clip=clip)
     assert_losses_match(got["losses"], ref, rel=1e-5)

@@ -1,0 +1,256 @@
+"""`outcore estimate --predict`: how long a step takes, what bounds it, and the accumulation that
+hides the bytes it moves.
+
+A step does four kinds of work, each at the machine's rate for it: compute (6 FLOPs a parameter
+a token, 8 with activation checkpointing, less for frozen parameters, which need no weight
+gradient), NVMe reads and writes (parameters gathered in forward and backward where the budgets
+cannot cache them, optimizer states streamed once a step), host-device copies on a GPU, and the
+CPU's AdamW over the offloaded states. Updates that run beside backward (no clipping, or
+speculative clipping) overlap compute, so the step is the longest of the four; updates that wait
+for the norm come after it. On a CPU-only machine compute and updates take turns on the same cores.
+
+The bytes come from the model's sizes and the memory plan's figures; the rates are the machine's,
+given or measured on the spot (`measure_rates`). Every number here is arithmetic on those two: the
+tests check it without running a model, and docs/benchmarks.md puts it beside measured steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from outcore.runtime.memory_plan import MemoryPlan
+from outcore.runtime.policy import StatePolicy
+
+MAX_ACCUMULATION = 4096  # the search for a compute-bound step stops here
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the machine does per second."""
+
+    disk_read: float  # bytes/s from NVMe
+    disk_write: float  # bytes/s to NVMe
+    flops: float  # FLOP/s the compute device reaches on the model's matrix products
+    adam: float  # parameters/s the CPU's AdamW updates (states streamed through its memory)
+    host_device: float | None = None  # bytes/s between HOST and a GPU; None on a CPU (DEVICE is RAM)
+    peak_flops: float | None = None  # the device's peak, for MFU
+
+    @property
+    def cpu_only(self) -> bool:
+        """Compute and updates share the same cores."""
+        return self.host_device is None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step of a model under one offload setting, in bytes and counts per rank."""
+
+    params: int  # every parameter the rank computes with
+    trained: int  # of those, the ones with a gradient and optimizer states
+    tokens: int  # tokens of one micro-batch (batch x seq)
+    param_bytes: int  # this rank's parameter shards, in the compute dtype
+    state_bytes: int  # this rank's optimizer states
+    params_on_nvme: bool = False
+    states_on_nvme: bool = False
+    params_offloaded: bool = False  # off the GPU: gathered across the bus every pass
+    optimizer_offloaded: bool = False  # updated by the CPU
+    cache_bytes: int = 0  # room the budgets leave to cache parameter shards beside the working set
+    states_in_host: int = 0  # optimizer-state bytes the host budget keeps, never streamed
+    updates_overlap: bool = True  # updates run beside backward (no clipping, or speculative clipping)
+    checkpointing: bool = False
+    vertical: bool = False  # one train_batch a step: parameters gathered once for all micro-batches
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's seconds by kind of work, the step, and what bounds it."""
+
+    accumulate: int
+    compute: float
+    nvme: float
+    host_device: float
+    optimizer: float
+    step: float
+    bound: str
+    tokens: int
+    flops: float
+    nvme_read: int
+    nvme_written: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step if self.step else 0.0
+
+    def mfu(self, peak_flops: float | None) -> float | None:
+        """Model FLOPs over the step, as a fraction of the device's peak."""
+        return self.flops / self.step / peak_flops if peak_flops and self.step else None
+
+    def as_dict(self, peak_flops: float | None = None) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(tokens_per_s=self.tokens_per_s, mfu=self.mfu(peak_flops))
+        return out
+
+
+def step_flops(shape: StepShape, accumulate: int = 1) -> float:
+    """Model FLOPs of one step: forward 2 a parameter a token, backward 2 for the inputs' gradient
+    and 2 more for the weights' (trained parameters only), forward again under checkpointing."""
+    per_token = 2 * shape.params + 2 * shape.params + 2 * shape.trained
+    if shape.checkpointing:
+        per_token += 2 * shape.params
+    return float(per_token) * shape.tokens * accumulate
+
+
+def step_bytes(shape: StepShape, accumulate: int = 1) -> tuple[int, int, int]:
+    """(NVMe read, NVMe written, host<->device) bytes of one step.
+
+    Parameter shards resting on NVMe that the budgets cannot cache are read by the passes that
+    gather them: forward and backward of each micro-step (of the one train_batch, `vertical`),
+    except that backward begins with the units forward used last, which the cache still holds;
+    the trained ones are written once after their update. Optimizer states on NVMe, beyond
+    those the host budget keeps, are read and written once a step. On a GPU, offloaded parameters
+    cross the bus in every pass, and the fp32 gradient shard of every trained parameter comes
+    down to the CPU's optimizer in every micro-step."""
+    micro = 1 if shape.vertical else accumulate
+    passes = 2 * micro
+    read = written = 0
+    if shape.params_on_nvme:
+        uncached = max(0, shape.param_bytes - shape.cache_bytes)
+        read += micro * max(uncached, 2 * uncached - shape.cache_bytes)
+        written += uncached * shape.trained // max(1, shape.params)
+    if shape.states_on_nvme:
+        streamed = max(0, shape.state_bytes - shape.states_in_host)
+        read += streamed
+        written += streamed
+    bus = 0
+    if shape.params_offloaded:
+        bus += passes * shape.param_bytes
+    if shape.optimizer_offloaded:
+        bus += 4 * shape.trained * micro
+    return read, written, bus
+
+
+def predict_step(shape: StepShape, rates: Rates, accumulate: int = 1) -> StepTime:
+    """The step's time split and its bound at `accumulate` micro-batches a step."""
+    flops = step_flops(shape, accumulate)
+    read, written, bus = step_bytes(shape, accumulate)
+    compute = flops / rates.flops
+    nvme = read / rates.disk_read + written / rates.disk_write
+    host_device = 0.0 if rates.host_device is None else bus / rates.host_device
+    optimizer = shape.trained / rates.adam if shape.optimizer_offloaded or rates.cpu_only else 0.0
+    if rates.cpu_only:  # the same cores compute and update, whenever the updates run
+        step = max(compute + optimizer, nvme)
+        bound = "nvme" if nvme > compute + optimizer else ("compute" if compute >= optimizer else "optimizer")
+    elif shape.updates_overlap:
+        parts = {"compute": compute, "nvme": nvme, "host_device": host_device, "optimizer": optimizer}
+        step = max(parts.values())
+        bound = max(parts, key=lambda k: parts[k])
+    else:  # the updates wait for the norm: after backward, streaming the states they read and write
+        during = max(compute, host_device)
+        after = optimizer
+        step = max(during + after, nvme)
+        bound = "nvme" if nvme > during + after else ("compute" if compute >= after else "optimizer")
+    return StepTime(accumulate=accumulate, compute=compute, nvme=nvme, host_device=host_device, optimizer=optimizer,
+                    step=step, bound=bound, tokens=shape.tokens * accumulate, flops=flops, nvme_read=read,
+                    nvme_written=written)
+
+
+def compute_bound_accumulation(shape: StepShape, rates: Rates, limit: int = MAX_ACCUMULATION) -> int | None:
+    """The smallest accumulation at which compute bounds the step; None if none up to `limit`
+    does (bytes that grow with every micro-step, as parameters gathered from NVMe, never hide)."""
+    def bound(k: int) -> str:
+        return predict_step(shape, rates, k).bound
+
+    if bound(limit) != "compute":
+        return None
+    low, high = 1, limit
+    while low < high:  # compute's share only grows with k: the first k that is compute-bound
+        mid = (low + high) // 2
+        if bound(mid) == "compute":
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def shape_of(unit_numels: list[int], frozen: list[bool], plan: MemoryPlan, policy: StatePolicy, *, tokens: int,
+             device_budget: int, host_budget: int, checkpointing: bool = False,
+             vertical: bool = False) -> StepShape:
+    """The step of these units (parameters per unit, whole model) under `policy`, as `plan` lays it
+    out under the given budgets. The parameter cache is what the budgets leave beside the plan's
+    other bytes: on a CPU both tiers are RAM and cache shards alike."""
+    world, elem = policy.world, policy.elem
+    params = sum(unit_numels)
+    trained = sum(n for n, f in zip(unit_numels, frozen, strict=True) if not f)
+    sharded = policy.stage == 3 or policy.offload_params != "none"
+    param_bytes = (params // world if sharded else params) * elem
+    on_nvme = policy.offload_params == "nvme"
+    cache = 0
+    if on_nvme:
+        host_others = plan.host.states + plan.host.runtime - param_bytes  # the plan caches every shard in HOST
+        cache = max(0, host_budget - host_others)
+        if policy.device_type == "cpu":  # DEVICE is RAM too: what the gathered units leave of it
+            cache += max(0, device_budget - plan.device.gathered)
+        cache = min(cache, param_bytes)
+    kept = sum(plan.unit_states[i] for i in plan.kept_units(host_budget))
+    return StepShape(params=params, trained=trained, tokens=tokens, param_bytes=param_bytes,
+                     state_bytes=plan.optimizer_states, params_on_nvme=on_nvme,
+                     states_on_nvme=policy.offload_optimizer == "nvme", params_offloaded=policy.offload_params != "none"
+                     and policy.device_type != "cpu", optimizer_offloaded=policy.offload_optimizer != "none",
+                     cache_bytes=cache, states_in_host=kept,
+                     updates_overlap=policy.overlapped or policy.speculates, checkpointing=checkpointing,
+                     vertical=vertical)
+
+
+# -- rates measured on the spot --------------------------------------------------------------------
+
+def measure_flops(device: str, dtype: str, seconds: float = 1.0) -> float:
+    """FLOP/s of a 2048 x 2048 x 2048 matrix product in `dtype` on `device`, the best of a second."""
+    import torch
+
+    from outcore.runtime.policy import torch_dtype
+
+    a = torch.randn(2048, 2048, device=device).to(torch_dtype(dtype))
+    b = torch.randn(2048, 2048, device=device).to(torch_dtype(dtype))
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048**3 / best
+
+
+def measure_adam(params: int = 1 << 23, repeats: int = 3) -> float:
+    """Parameters/s of one fused AdamW call over fp32 states on the CPU, the best of `repeats`."""
+    import torch
+
+    p, g, m, v = (torch.randn(params) for _ in range(4))
+    v.abs_()
+    step = torch.tensor(1.0)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                            eps=1e-8, amsgrad=False, maximize=False)
+        best = min(best, time.perf_counter() - t0)
+    return params / best
+
+
+def disk_rates(bench_json: dict) -> tuple[float, float]:
+    """(read, write) bytes/s: the best settings of an `outcore bench-disk --json` file."""
+    results = bench_json["results"]
+    return (results[bench_json["best_read"]]["read_MBps"] * 1e6,
+            results[bench_json["best_write"]]["write_MBps"] * 1e6)
+
+
+def measure_disk(directory: str, size: int = 256 << 20) -> tuple[float, float]:
+    """(read, write) bytes/s of `directory`'s disk in the engine's I/O setting, measured now."""
+    from outcore.tools.bench_disk import bench_disk
+
+    return disk_rates(bench_disk(directory, size=size, block_sizes=[8 << 20], queue_depths=[32], threads=[4],
+                                 backends=["threads"], use_fio=False))
