@@ -260,10 +260,12 @@ def _predict(args: argparse.Namespace, units: list[int], layout: dict,
     else:
         print(f"measuring the disk in {args.nvme_dir!r} (give --disk bench.json to skip) ...", flush=True)
         read, write = se.measure_disk(args.nvme_dir)
-    flops = args.flops or se.measure_flops(args.device, args.dtype)
+    flops = args.flops or se.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
+                                           d_model=dims[1] if dims else 2048)
     rates = se.Rates(disk_read=read, disk_write=write, flops=flops, adam=args.adam_rate or se.measure_adam(),
                      host_device=None if args.device == "cpu" else (args.host_device_rate or 25e9),
-                     peak_flops=args.peak_flops or flops)
+                     peak_flops=args.peak_flops or flops,
+                     checksum=se.measure_checksum() if args.device == "cpu" and not args.no_checksum else None)
     step = se.predict_step(shape, rates, k)
     least = se.compute_bound_accumulation(shape, rates)
     mfu = step.mfu(rates.peak_flops)
@@ -272,7 +274,8 @@ def _predict(args: argparse.Namespace, units: list[int], layout: dict,
     print(f"  compute {step.compute:.3f} s ({step.flops / 1e9:,.1f} GFLOP at {flops / 1e9:,.1f} GFLOP/s), "
           f"NVMe {step.nvme:.3f} s ({human_bytes(step.nvme_read)} read at {read / 1e9:.2f} GB/s, "
           f"{human_bytes(step.nvme_written)} written at {write / 1e9:.2f} GB/s), host-device {step.host_device:.3f} s, "
-          f"optimizer {step.optimizer:.3f} s ({rates.adam / 1e6:,.0f}M parameters/s)")
+          f"optimizer {step.optimizer:.3f} s ({rates.adam / 1e6:,.0f}M parameters/s"
+          + (f"; with the checksums at {rates.checksum / 1e9:.1f} GB/s" if rates.checksum else "") + ")")
     print(f"  {step.tokens_per_s:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
     print("  compute bounds the step from --accumulate " + (str(least) if least else
           f"(none up to {se.MAX_ACCUMULATION}: bytes that grow with every micro-step; try --vertical)"))

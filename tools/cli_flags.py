@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--flops", type=float, help="FLOP/s the compute reaches (default: a matrix product measured now)")
     pr.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (default: --flops)")
     pr.add_argument("--adam-rate", type=float, help="parameters/s the CPU's AdamW updates (default: measured now)")
+    pr.add_argument("--no-checksum", action="store_true", help="the run turns the swap file's checksums off "
+                    "(IOConfig(checksum=False)): on a CPU their time is not counted")
     pr.add_argument("--host-device-rate", type=float, help="bytes/s between host memory and the GPU (default 25e9 "
                    "with --device cuda)")
 

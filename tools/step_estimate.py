@@ -5,7 +5,8 @@ A step does four kinds of work, each at the machine's rate for it: compute (6 FL
 a token, 8 with activation checkpointing, less for frozen parameters, which need no weight
 gradient), NVMe reads and writes (parameters gathered in forward and backward where the budgets
 cannot cache them, optimizer states streamed once a step), host-device copies on a GPU, and the
-CPU's AdamW over the offloaded states. Updates that run beside backward (no clipping, or
+CPU's AdamW over the offloaded states (on a CPU-only machine with the checksums of every byte the
+swap file moves, which take the same cores). Updates that run beside backward (no clipping, or
 speculative clipping) overlap compute, so the step is the longest of the four; updates that wait
 for the norm come after it. On a CPU-only machine compute and updates take turns on the same cores.
 
@@ -36,6 +37,9 @@ class Rates:
     adam: float  # parameters/s the CPU's AdamW updates (states streamed through its memory)
     host_device: float | None = None  # bytes/s between HOST and a GPU; None on a CPU (DEVICE is RAM)
     peak_flops: float | None = None  # the device's peak, for MFU
+    # bytes/s one core checksums what the swap file reads and writes: on a CPU-only machine that work
+    # takes the cores compute needs (None: not counted)
+    checksum: float | None = None
 
     @property
     def cpu_only(self) -> bool:
@@ -61,6 +65,7 @@ class StepShape:
     updates_overlap: bool = True  # updates run beside backward (no clipping, or speculative clipping)
     checkpointing: bool = False
     vertical: bool = False  # one train_batch a step: parameters gathered once for all micro-batches
+    grad_bytes: int = 0  # this rank's fp32 gradient shards (what an accumulation window sums)
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,10 @@ class StepTime:
 
 def step_flops(shape: StepShape, accumulate: int = 1) -> float:
     """Model FLOPs of one step: forward 2 a parameter a token, backward 2 for the inputs' gradient
-    and 2 more for the weights' (trained parameters only), forward again under checkpointing."""
+    and 2 more for the weights' (trained parameters only), forward again under checkpointing (and
+    in a train_batch, which checkpoints every unit)."""
     per_token = 2 * shape.params + 2 * shape.params + 2 * shape.trained
-    if shape.checkpointing:
+    if shape.checkpointing or shape.vertical:  # a train_batch recomputes each unit's forward
         per_token += 2 * shape.params
     return float(per_token) * shape.tokens * accumulate
 
@@ -123,6 +129,13 @@ def step_bytes(shape: StepShape, accumulate: int = 1) -> tuple[int, int, int]:
         streamed = max(0, shape.state_bytes - shape.states_in_host)
         read += streamed
         written += streamed
+    if micro > 1 and shape.params_on_nvme:
+        # A window of several backward passes sums each gradient into the store: what the cache
+        # left by the parameters cannot hold is written by every micro-step and read back by the
+        # next one and by the update.
+        spilled = max(0, shape.grad_bytes - max(0, shape.cache_bytes - shape.param_bytes))
+        read += micro * spilled
+        written += micro * spilled
     bus = 0
     if shape.params_offloaded:
         bus += passes * shape.param_bytes
@@ -139,7 +152,9 @@ def predict_step(shape: StepShape, rates: Rates, accumulate: int = 1) -> StepTim
     nvme = read / rates.disk_read + written / rates.disk_write
     host_device = 0.0 if rates.host_device is None else bus / rates.host_device
     optimizer = shape.trained / rates.adam if shape.optimizer_offloaded or rates.cpu_only else 0.0
-    if rates.cpu_only:  # the same cores compute and update, whenever the updates run
+    if rates.cpu_only:  # the same cores compute, update and checksum, whenever the updates run
+        if rates.checksum:
+            optimizer += (read + written) / rates.checksum
         step = max(compute + optimizer, nvme)
         bound = "nvme" if nvme > compute + optimizer else ("compute" if compute >= optimizer else "optimizer")
     elif shape.updates_overlap:
@@ -200,29 +215,33 @@ def shape_of(unit_numels: list[int], frozen: list[bool], plan: MemoryPlan, polic
                      and policy.device_type != "cpu", optimizer_offloaded=policy.offload_optimizer != "none",
                      cache_bytes=cache, states_in_host=kept,
                      updates_overlap=policy.overlapped or policy.speculates, checkpointing=checkpointing,
-                     vertical=vertical)
+                     vertical=vertical, grad_bytes=4 * (trained // world if sharded else trained))
 
 
 # -- rates measured on the spot --------------------------------------------------------------------
 
-def measure_flops(device: str, dtype: str, seconds: float = 1.0) -> float:
-    """FLOP/s of a 2048 x 2048 x 2048 matrix product in `dtype` on `device`, the best of a second."""
+def measure_flops(device: str, dtype: str, *, tokens: int = 2048, d_model: int = 2048, seconds: float = 2.0) -> float:
+    """Model FLOP/s of a transformer MLP (d_model -> 4 d_model, GELU, back, a layer norm) in
+    `dtype` on `device`, forward and backward over `tokens` rows: the model's own matrix shapes,
+    with the elementwise work between them. The best of `seconds`."""
     import torch
 
     from outcore.runtime.policy import torch_dtype
 
-    a = torch.randn(2048, 2048, device=device).to(torch_dtype(dtype))
-    b = torch.randn(2048, 2048, device=device).to(torch_dtype(dtype))
+    kind = torch_dtype(dtype)
+    mlp = torch.nn.Sequential(torch.nn.LayerNorm(d_model), torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
+                              torch.nn.Linear(4 * d_model, d_model)).to(device=device, dtype=kind)
+    x = torch.randn(tokens, d_model, device=device, dtype=kind, requires_grad=True)
     best, end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < end or best == float("inf"):
         if device != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        a @ b
+        mlp(x).sum().backward()
         if device != "cpu":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return 2 * 2048**3 / best
+    return 6 * 8 * d_model * d_model * tokens / best
 
 
 def measure_adam(params: int = 1 << 23, repeats: int = 3) -> float:
@@ -239,6 +258,21 @@ def measure_adam(params: int = 1 << 23, repeats: int = 3) -> float:
                             eps=1e-8, amsgrad=False, maximize=False)
         best = min(best, time.perf_counter() - t0)
     return params / best
+
+
+def measure_checksum(nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Bytes/s the swap file's block checksum runs at on one core, the best of `repeats`."""
+    import numpy as np
+
+    from outcore.offload.checksum import block_checksum
+
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block_checksum(data.data)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def disk_rates(bench_json: dict) -> tuple[float, float]:
