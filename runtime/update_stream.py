@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -146,10 +146,15 @@ class UpdateStream:
             return
         futures: dict[int, Future] = {u.index: Future() for u in units}
         self._pending.update(futures)
+        self._submit(futures, lambda: self._timed(chunks, lr, coef, (), futures, None, idle))
+
+    def _submit(self, futures: dict[int, Future], work: Callable[[], None]) -> None:
+        """Run `work` on the optimizer thread, which completes `futures` unit by unit; if it raises,
+        each of them not done yet fails with its error."""
 
         def run() -> None:
             try:
-                self._timed(chunks, lr, coef, (), futures, None, idle)
+                work()
             except BaseException as e:
                 for f in futures.values():
                     if not f.done():
@@ -188,30 +193,23 @@ class UpdateStream:
         futures: dict[int, Future] = {index: Future() for index in speculated}
         self._pending.update(futures)
 
-        def run() -> None:
-            try:
-                for f in started:  # done (the same thread ran them): a failed one fails its step
-                    error = f.exception()
-                    if error is not None:
-                        raise error
-                for index, (lr, idle) in speculated.items():
-                    unit = self.units[index]
-                    if coef == 1.0:
-                        for key in self._kept_keys(unit):
-                            self.store.drop_kept(key)
-                    else:
-                        redo_clipped(unit, self.store, self.place, self.hp, self.counts, lr=lr, coef=coef,
-                                     idle=idle)
-                    self.speculated["kept" if coef == 1.0 else "redone"] += 1
-                    self.counts.advance(index, len(unit.plan.slots), idle)
-                    futures[index].set_result(None)
-            except BaseException as e:
-                for f in futures.values():
-                    if not f.done():
-                        f.set_exception(e)
-                raise
+        def settle() -> None:
+            for f in started:  # done (the same thread ran them): a failed one fails its step
+                error = f.exception()
+                if error is not None:
+                    raise error
+            for index, (lr, idle) in speculated.items():
+                unit = self.units[index]
+                if coef == 1.0:
+                    for key in self._kept_keys(unit):
+                        self.store.drop_kept(key)
+                else:
+                    redo_clipped(unit, self.store, self.place, self.hp, self.counts, lr=lr, coef=coef, idle=idle)
+                self.speculated["kept" if coef == 1.0 else "redone"] += 1
+                self.counts.advance(index, len(unit.plan.slots), idle)
+                futures[index].set_result(None)
 
-        self._thread.submit(run)
+        self._submit(futures, settle)
 
     def speculated_units(self) -> frozenset[int]:
         """The units updated speculatively in this window (settled at its step)."""

@@ -106,28 +106,26 @@ def test_a_step_that_never_clips_is_bit_for_bit_the_unclipped_one(tmp_path):
     unclipped.close()
 
 
-class Raise(torch.autograd.Function):
-    """The identity in forward; a ValueError in backward."""
+class Backward(torch.autograd.Function):
+    """The identity in forward; in backward, what `effect` makes of the gradient (it may raise)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, effect):
+        ctx.effect = effect
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        raise ValueError("injected")
+        return ctx.effect(grad), None
 
 
-class Infinite(torch.autograd.Function):
-    """The identity in forward; an infinite gradient in backward."""
+def injected(_grad):
+    raise ValueError("injected")
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
+def on_output_of(block, effect):
+    """A hook on `block`'s output: its input gets `effect`'s gradient in backward."""
+    return block.register_forward_hook(lambda _m, _a, out: Backward.apply(out, effect))
 
 
 def test_a_failed_backward_takes_back_the_updates_it_speculated_and_the_run_goes_on_as_plain(tmp_path):
@@ -137,7 +135,7 @@ def test_a_failed_backward_takes_back_the_updates_it_speculated_and_the_run_goes
     train_engine(ours_model, None, data[:2], engine=engine)
     before = engine.full_state_dict()
     # after block 0 in forward: in backward, the head's and block 1's updates have started when it raises
-    hook = ours_model.blocks[0].register_forward_hook(lambda _m, _a, out: Raise.apply(out))
+    hook = on_output_of(ours_model.blocks[0], injected)
     x, y = data[2]
     with pytest.raises(ValueError, match="injected"):
         engine.backward(engine(x, y))
@@ -160,7 +158,7 @@ def test_a_failed_backward_whose_speculation_cannot_be_taken_back_exactly_stops_
     engine = outcore.Engine(ours_model, config(tmp_path, 100.0), outcore.AdamW(**HP))
     train_engine(ours_model, None, data[:2], engine=engine)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
-    hook = ours_model.blocks[0].register_forward_hook(lambda _m, _a, out: Raise.apply(out))
+    hook = on_output_of(ours_model.blocks[0], injected)
     x, y = data[2]
     with pytest.raises(ValueError, match="injected"):
         engine.backward(engine(x, y))
@@ -180,7 +178,7 @@ def test_a_norm_that_is_not_finite_skips_the_step_and_takes_its_speculations_bac
     train_engine(ours_model, None, data[:2], engine=engine)
     before = engine.full_state_dict()
     # block 0's input gets an infinite gradient: the units after it in backward have speculated by then
-    hook = ours_model.blocks[0].register_forward_hook(lambda _m, _a, out: Infinite.apply(out))
+    hook = on_output_of(ours_model.blocks[0], lambda grad: grad * float("inf"))
     x, y = data[2]
     engine.backward(engine(x, y))
     stats = engine.step()
@@ -201,7 +199,7 @@ def test_a_norm_that_is_not_finite_after_speculations_that_cannot_be_taken_back_
     data = batches(3)
     engine = outcore.Engine(ours_model, config(tmp_path, 100.0), outcore.AdamW(**HP))
     train_engine(ours_model, None, data[:2], engine=engine)
-    hook = ours_model.blocks[0].register_forward_hook(lambda _m, _a, out: Infinite.apply(out))
+    hook = on_output_of(ours_model.blocks[0], lambda grad: grad * float("inf"))
     x, y = data[2]
     engine.backward(engine(x, y))
     hook.remove()
