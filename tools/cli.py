@@ -375,12 +375,14 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
         else:
             print(f"  {c.label}: failed: {r['error']}", flush=True)
 
-    print(f"tuning {args.model} from {args.config}: {args.steps} timed steps per candidate", flush=True)
+    print(f"tuning {args.model} from {args.config}: {args.steps} timed steps per candidate, candidates compared "
+          f"over {args.rounds} interleaved rounds", flush=True)
     try:
-        best, tried = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
-                           max_rss=args.max_rss, timeout=args.timeout, on_result=show)
+        tuned = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
+                     max_rss=args.max_rss, timeout=args.timeout, rounds=args.rounds, on_result=show)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    best, tried, confirmation = tuned.best, tuned.candidates, tuned.confirmation
     rows = []
     for c in sorted(tried, key=lambda c: c.result.get("step_seconds", float("inf"))):
         r, io = c.result, c.config.io
@@ -391,11 +393,22 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
                      f"{r['io_wait_seconds']:.3f}" if c.ok else "-",
                      human_bytes(r["peak_rss_bytes"]) if c.ok else r["error"][:40]])
     table(["prefetch", "block", "qd", "threads", "nice", "host budget", "s/step", "I/O wait s", "peak RSS"], rows)
-    written = best.to_dict() if keep_nvme_dir else {**best.to_dict(), "nvme_dir": None}
-    write_values(args.out, written)  # as Config.to_file writes it, in the format --out names
-    print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
-    write_json(args.json, {"best": written, "candidates": [
-        {"label": c.label, "config": c.config.to_dict(), **c.result} for c in tried]})
+    if confirmation is not None:
+        print(f"the winner against the config as given, {args.rounds} more interleaved rounds: "
+              f"{', '.join(f'{t:.3f}' for t in confirmation.winner)} against "
+              f"{', '.join(f'{t:.3f}' for t in confirmation.given)} s/step; medians {confirmation.ratio:.3f}x, "
+              f"the given config's own spread {100 * confirmation.spread:.1f}%")
+    written = None
+    if best is None:
+        print("nothing beat the config as given beyond its own spread: no config written; keep using "
+              f"{args.config}")
+    else:
+        written = best.to_dict() if keep_nvme_dir else {**best.to_dict(), "nvme_dir": None}
+        write_values(args.out, written)  # as Config.to_file writes it, in the format --out names
+        print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
+    write_json(args.json, {"best": written, "confirmation": confirmation.as_dict() if confirmation else None,
+                           "candidates": [{"label": c.label, "config": c.config.to_dict(), **c.result,
+                                           "samples": c.samples} for c in tried]})
     return EXIT_OK
 
 

@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the model directory the run came from, where the checkpoint records one)")
     x.add_argument("--json", metavar="PATH", help="also write what was written as JSON")
 
-    u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest")
+    u = sub.add_parser("tune", help="sweep prefetch and I/O settings on the real model; write the fastest, where it "
+                       "beats the given config")
     u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
     u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model "
                    "directory (its weights; random token ids) or module:factory (default tiny)")
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
     u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
     u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
+    u.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds each phase's candidates, and "
+                   "at the end the winner against the given config, are measured in (default 3)")
     u.add_argument("--max-rss", type=_size, help="reject candidates whose peak RSS is above this")
     u.add_argument("--timeout", type=positive_float, default=1800, help="seconds per candidate (default 1800)")
     u.add_argument("--json", metavar="PATH", help="also write every candidate's figures as JSON")

@@ -6,7 +6,16 @@ at a time, keeping the best value before moving on — prefetch_depth, then bloc
 queue_depth, then threads, then the background threads' priority (`io.nice`), then the host budget
 (the I/O knobs only when something rests on NVMe). Priority is a trade: yielding to compute wins
 when compute is the bottleneck, and loses when the optimizer's stream through NVMe is.
-Budgets never go above the ones the config allows. The winner is written with `Config.to_file`.
+Budgets never go above the ones the config allows.
+
+[Note: a winner that holds] A few timed steps of one candidate after another measure the
+machine's swings more than the settings (a winner at 0.81x in the sweep ran 0.99x through `outcore
+train`: docs/benchmarks.md). So each phase runs its candidates (the best so far among them) in
+interleaved rounds, a different one first each round, and compares their medians. At the end the
+winner and the config as given run against each other in as many interleaved rounds again, and the
+winner is written (with `Config.to_file`) only where its median beats the given config's by more
+than the given config's own spread in those rounds (at least 2%); otherwise nothing is written,
+and the command says so.
 
 Models: a GPT preset; a Hugging Face causal LM's directory, its weights loaded as `outcore train
 --model` loads them and fed random token ids below its vocabulary size; or `module:factory` whose
@@ -41,11 +50,59 @@ DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], 
 class Candidate:
     config: runtime.Config
     label: str
-    result: dict = dataclasses.field(default_factory=dict)  # empty until measured
+    samples: list[dict] = dataclasses.field(default_factory=list)  # one measurement a round
 
     @property
     def ok(self) -> bool:
-        return bool(self.result) and "error" not in self.result
+        return bool(self.samples) and all("error" not in r for r in self.samples)
+
+    @property
+    def result(self) -> dict:
+        """The medians of its rounds (peak RSS: the largest); a failed round's error, if any."""
+        failed = [r for r in self.samples if "error" in r]
+        if failed or not self.samples:
+            return failed[0] if failed else {}
+        out = {k: statistics.median(r[k] for r in self.samples) for k in self.samples[0]
+               if isinstance(self.samples[0][k], (int, float)) and k != "peak_rss_bytes"}
+        out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in self.samples)
+        out["rounds"] = len(self.samples)
+        return out
+
+
+@dataclass
+class Confirmation:
+    """The winner against the config as given, in interleaved rounds of their own."""
+
+    given: list[float]  # step seconds, a round each
+    winner: list[float]
+
+    @property
+    def spread(self) -> float:
+        """The given config's own spread in these rounds, relative to its median (at least 2%)."""
+        mid = statistics.median(self.given)
+        return max(0.02, (max(self.given) - min(self.given)) / mid)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.winner) / statistics.median(self.given)
+
+    @property
+    def holds(self) -> bool:
+        return self.ratio < 1.0 - self.spread
+
+    def as_dict(self) -> dict:
+        return {"given_s": self.given, "winner_s": self.winner, "ratio": self.ratio, "spread": self.spread,
+                "holds": self.holds}
+
+
+@dataclass
+class Tuned:
+    """What a sweep found: the config to write (None where nothing beat the given one beyond its
+    spread), every candidate, and the final confirmation (None where the given config won the sweep)."""
+
+    best: runtime.Config | None
+    candidates: list[Candidate]
+    confirmation: Confirmation | None
 
 
 def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None) -> dict:
@@ -148,30 +205,40 @@ def _variants(best: runtime.Config, knob: str, values: list,
 
 
 def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 1, seq: int | None = None,
-         sweep: dict | None = None, max_rss: int | None = None, timeout: float = 1800,
-         on_result=None) -> tuple[runtime.Config, list[Candidate]]:
-    """Coordinate descent over the sweep; returns the fastest config measured (`fastest`) and every
-    candidate. The descent moves to a variant that is `_better` than the best so far."""
+         sweep: dict | None = None, max_rss: int | None = None, timeout: float = 1800, rounds: int = 3,
+         on_result=None) -> Tuned:
+    """Coordinate descent over the sweep, each phase's candidates measured in `rounds` interleaved
+    rounds, and the winner confirmed against the given config ([Note: a winner that holds])."""
     sweep = {**DEFAULT_SWEEP, **(sweep or {})}
     uses_nvme = "nvme" in (base.offload_params, base.offload_optimizer)
     tried: dict[str, Candidate] = {}
 
-    def run(cfg: runtime.Config, label: str) -> Candidate:
-        key = json.dumps(cfg.to_dict(), sort_keys=True)
-        if key not in tried:
-            cand = Candidate(cfg, label)
-            cand.result = run_candidate(cfg, model_spec, steps=steps, batch=batch, seq=seq, timeout=timeout)
-            if cand.ok and max_rss and cand.result["peak_rss_bytes"] > max_rss:
-                cand.result["error"] = f"peak RSS {human_bytes(cand.result['peak_rss_bytes'])} over --max-rss"
-            tried[key] = cand
-            if on_result:
-                on_result(cand)
-        return tried[key]
+    def candidate(cfg: runtime.Config, label: str) -> Candidate:
+        return tried.setdefault(json.dumps(cfg.to_dict(), sort_keys=True), Candidate(cfg, label))
 
-    best = run(base, "the config as given")
-    if not best.ok:  # refused up front (a ValueError) is the config's fault; anything else, the run's
-        failure = ValueError if best.result.get("refused") else RuntimeError
-        raise failure(f"the config as given does not run: {best.result['error']}")
+    def measure_once(cand: Candidate) -> dict:
+        result = run_candidate(cand.config, model_spec, steps=steps, batch=batch, seq=seq, timeout=timeout)
+        if "error" not in result and max_rss and result["peak_rss_bytes"] > max_rss:
+            result["error"] = f"peak RSS {human_bytes(result['peak_rss_bytes'])} over --max-rss"
+        return result
+
+    def interleave(cands: list[Candidate], n: int) -> None:
+        """`n` rounds, each candidate once a round, a different one first each time; a candidate
+        that fails drops out."""
+        for r in range(n):
+            for cand in cands[r % len(cands):] + cands[: r % len(cands)]:
+                if cand.samples and not cand.ok:
+                    continue
+                cand.samples.append(measure_once(cand))
+                if on_result:
+                    on_result(cand)
+
+    given = candidate(base, "the config as given")
+    interleave([given], 1)
+    if not given.ok:  # refused up front (a ValueError) is the config's fault; anything else, the run's
+        failure = ValueError if given.result.get("refused") else RuntimeError
+        raise failure(f"the config as given does not run: {given.result['error']}")
+    best = given
     phases = [("prefetch_depth", sweep["prefetch_depth"])]
     if uses_nvme:
         phases += [("io", [(b, q) for b in sweep["block_size"] for q in sweep["queue_depth"]]),
@@ -179,27 +246,39 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
         if base.host_budget:  # shrink the host budget only below what the config allows
             phases.append(("host", sweep["host_budget_fraction"]))
     for knob, values in phases:
-        for cfg, label in _variants(best.config, knob, values, base.host_budget):
-            cand = run(cfg, label)
-            if cand.ok and _better(cand, best):
+        phase = [best] + [c for c in (candidate(cfg, label) for cfg, label in
+                                      _variants(best.config, knob, values, base.host_budget)) if c is not best]
+        if len(phase) == 1:
+            continue
+        start = {id(c): len(c.samples) for c in phase}
+        interleave(phase, rounds)
+        now = {id(c): _summary(c.samples[start[id(c)]:]) for c in phase}  # this phase's rounds only
+        for cand in phase[1:]:
+            if cand.ok and _better(now[id(cand)], now[id(best)]):
                 best = cand
-    return fastest(list(tried.values())).config, list(tried.values())
+    if best is given:
+        return Tuned(None, list(tried.values()), None)
+    final = [Candidate(given.config, given.label), Candidate(best.config, best.label)]
+    interleave(final, rounds)
+    if not all(c.ok for c in final):
+        return Tuned(None, list(tried.values()), None)
+    confirmation = Confirmation([r["step_seconds"] for r in final[0].samples],
+                                [r["step_seconds"] for r in final[1].samples])
+    return Tuned(best.config if confirmation.holds else None, list(tried.values()), confirmation)
 
 
-def fastest(candidates: list[Candidate]) -> Candidate:
-    """The candidate that ran fastest; within 2% of it (noise), the one with the least peak RSS."""
-    ok = [c for c in candidates if c.ok]
-    floor = min(c.result["step_seconds"] for c in ok)
-    near = [c for c in ok if c.result["step_seconds"] <= 1.02 * floor]
-    return min(near, key=lambda c: c.result["peak_rss_bytes"])
+def _summary(samples: list[dict]) -> dict:
+    """Median step seconds and the largest peak RSS of these rounds."""
+    return {"step_seconds": statistics.median(r["step_seconds"] for r in samples),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in samples)}
 
 
-def _better(a: Candidate, b: Candidate) -> bool:
+def _better(a: dict, b: dict) -> bool:
     """Faster by more than 2% (noise), or as fast with less memory."""
-    ta, tb = a.result["step_seconds"], b.result["step_seconds"]
+    ta, tb = a["step_seconds"], b["step_seconds"]
     if ta < 0.98 * tb:
         return True
-    return ta <= 1.02 * tb and a.result["peak_rss_bytes"] < 0.95 * b.result["peak_rss_bytes"]
+    return ta <= 1.02 * tb and a["peak_rss_bytes"] < 0.95 * b["peak_rss_bytes"]
 
 
 def _worker(argv: list[str]) -> None:
