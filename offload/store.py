@@ -239,7 +239,7 @@ class TieredStore(Moves, Writes, Budgets):
         """Before their owner changes them in place: keep the present bytes of `keys` aside, all or
         none, until `drop_kept` or `restore_kept` (offload/kept_versions.py [Note: kept versions]).
         Nothing is evicted or written for it: False, and nothing kept, where a dirty key found no
-        room for its copy in HOST (where it would leave less than half the budget free)."""
+        room for its copy (a copy may leave no less than half a tier's budget free)."""
         return self._versions.keep(keys)
 
     def drop_kept(self, key: str) -> None:

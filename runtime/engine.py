@@ -403,7 +403,7 @@ class Engine:
             # skipped, but the updates that ran beside backward cannot be taken back exactly
             self.gradients.reset(self.units, drop_grads=True)
             self.updates.halt("a step whose gradient norm was not finite came after updates had run beside backward "
-                              "that cannot be taken back exactly (clipping, speculated: see the log). Call "
+                              "that cannot be taken back exactly (clipping, speculated). Call "
                               "engine.load_checkpoint() to go on from a saved state.")
             self.updates.check()
         if not overflow:

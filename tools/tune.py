@@ -252,7 +252,10 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
             continue
         start = {id(c): len(c.samples) for c in phase}
         interleave(phase, rounds)
-        now = {id(c): _summary(c.samples[start[id(c)]:]) for c in phase}  # this phase's rounds only
+        # this phase's rounds only, of the candidates that ran (a failed one drops out)
+        now = {id(c): _summary(c.samples[start[id(c)]:]) for c in phase if c.ok}
+        if id(best) not in now:
+            raise RuntimeError(f"the best config so far ({best.label}) failed when run again: {best.result['error']}")
         for cand in phase[1:]:
             if cand.ok and _better(now[id(cand)], now[id(best)]):
                 best = cand

@@ -91,6 +91,24 @@ def test_a_candidate_fast_in_one_round_only_does_not_win(monkeypatch):
     assert len(calls) == 1 + 3 * 3
 
 
+def test_a_candidate_that_fails_drops_out_and_the_sweep_goes_on(monkeypatch):
+    calls = []
+    run = timed(lambda d, n: {2: 1.0, 1: 0.8}[d], calls)
+
+    def failing(config, model_spec, **kw):
+        if config.prefetch_depth == 4:  # refused, as a host budget below the working set is
+            calls.append(4)
+            return {"error": "ValueError: host_budget too small", "refused": True}
+        return run(config, model_spec, **kw)
+
+    monkeypatch.setattr(tune_module, "run_candidate", failing)
+    tuned = tune(outcore.Config(), "tiny", sweep=PREFETCH_ONLY, rounds=3)
+    assert calls.count(4) == 1  # tried once, then left out of the later rounds
+    assert tuned.best is not None and tuned.best.prefetch_depth == 1
+    failed = [c for c in tuned.candidates if not c.ok]
+    assert [c.config.prefetch_depth for c in failed] == [4] and "host_budget" in failed[0].result["error"]
+
+
 def test_a_winner_within_the_given_configs_spread_is_not_written(tmp_path, monkeypatch, capsys):
     # in the sweep prefetch 1 is 5% faster; in the confirmation the given config swings by 20%
     swings = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 0.9, 6: 1.1, 7: 1.0}  # its 5th to 7th runs: the confirmation
