@@ -128,11 +128,17 @@ def on_output_of(block, effect):
     return block.register_forward_hook(lambda _m, _a, out: Backward.apply(out, effect))
 
 
-def test_a_failed_backward_takes_back_the_updates_it_speculated_and_the_run_goes_on_as_plain(tmp_path):
+def after_two_steps(tmp_path, n, **more):
+    """Twin models, `n` batches, and an engine (clipping at 100, never reached) trained on the first two."""
     ours_model, ref_model = twins(TinyGPT)
-    data = batches(6)
-    engine = outcore.Engine(ours_model, config(tmp_path, 100.0, **ROOMY), outcore.AdamW(**HP))
+    data = batches(n)
+    engine = outcore.Engine(ours_model, config(tmp_path, 100.0, **more), outcore.AdamW(**HP))
     train_engine(ours_model, None, data[:2], engine=engine)
+    return ours_model, ref_model, data, engine
+
+
+def test_a_failed_backward_takes_back_the_updates_it_speculated_and_the_run_goes_on_as_plain(tmp_path):
+    ours_model, ref_model, data, engine = after_two_steps(tmp_path, 6, **ROOMY)
     before = engine.full_state_dict()
     # after block 0 in forward: in backward, the head's and block 1's updates have started when it raises
     hook = on_output_of(ours_model.blocks[0], injected)
@@ -153,10 +159,7 @@ def test_a_failed_backward_takes_back_the_updates_it_speculated_and_the_run_goes
 
 def test_a_failed_backward_whose_speculation_cannot_be_taken_back_exactly_stops_the_engine(tmp_path,
                                                                                          shards_never_kept):
-    ours_model, ref_model = twins(TinyGPT)
-    data = batches(5)
-    engine = outcore.Engine(ours_model, config(tmp_path, 100.0), outcore.AdamW(**HP))
-    train_engine(ours_model, None, data[:2], engine=engine)
+    ours_model, ref_model, data, engine = after_two_steps(tmp_path, 5)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     hook = on_output_of(ours_model.blocks[0], injected)
     x, y = data[2]
@@ -172,10 +175,7 @@ def test_a_failed_backward_whose_speculation_cannot_be_taken_back_exactly_stops_
 
 
 def test_a_norm_that_is_not_finite_skips_the_step_and_takes_its_speculations_back(tmp_path):
-    ours_model, ref_model = twins(TinyGPT)
-    data = batches(6)
-    engine = outcore.Engine(ours_model, config(tmp_path, 100.0, **ROOMY), outcore.AdamW(**HP))
-    train_engine(ours_model, None, data[:2], engine=engine)
+    ours_model, ref_model, data, engine = after_two_steps(tmp_path, 6, **ROOMY)
     before = engine.full_state_dict()
     # block 0's input gets an infinite gradient: the units after it in backward have speculated by then
     hook = on_output_of(ours_model.blocks[0], lambda grad: grad * float("inf"))
@@ -195,10 +195,7 @@ def test_a_norm_that_is_not_finite_skips_the_step_and_takes_its_speculations_bac
 
 def test_a_norm_that_is_not_finite_after_speculations_that_cannot_be_taken_back_stops_the_engine(
         tmp_path, shards_never_kept):
-    ours_model, _ = twins(TinyGPT)
-    data = batches(3)
-    engine = outcore.Engine(ours_model, config(tmp_path, 100.0), outcore.AdamW(**HP))
-    train_engine(ours_model, None, data[:2], engine=engine)
+    ours_model, _, data, engine = after_two_steps(tmp_path, 3)
     hook = on_output_of(ours_model.blocks[0], lambda grad: grad * float("inf"))
     x, y = data[2]
     engine.backward(engine(x, y))
