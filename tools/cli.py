@@ -254,14 +254,17 @@ def _predict(args: argparse.Namespace, units: list[int], layout: dict,
         raise UsageError(str(e)) from None
     shape = se.shape_of(units, frozen, plan, policy, tokens=args.batch * seq, device_budget=device_budget,
                         host_budget=host_budget, checkpointing=args.checkpoint_activations, vertical=args.vertical)
+    try:
+        flops = args.flops or se.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
+                                               d_model=dims[1] if dims else 2048)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.disk:
         with open(args.disk) as f:
             read, write = se.disk_rates(json.load(f))
     else:
         print(f"measuring the disk in {args.nvme_dir!r} (give --disk bench.json to skip) ...", flush=True)
         read, write = se.measure_disk(args.nvme_dir)
-    flops = args.flops or se.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
-                                           d_model=dims[1] if dims else 2048)
     rates = se.Rates(disk_read=read, disk_write=write, flops=flops, adam=args.adam_rate or se.measure_adam(),
                      host_device=None if args.device == "cpu" else (args.host_device_rate or 25e9),
                      peak_flops=args.peak_flops or flops,
@@ -361,6 +364,7 @@ def _tune(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
     from outcore.runtime.config_text import write_values
     from outcore.tools.report import table, write_json
+    from outcore.tools.sweep_pruning import SweepPruner
     from outcore.tools.tune import tune
 
     sweep = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("block_size", args.block_size),
@@ -378,11 +382,18 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
     print(f"tuning {args.model} from {args.config}: {args.steps} timed steps per candidate, candidates compared "
           f"over {args.rounds} interleaved rounds", flush=True)
     try:
+        pruner = None
+        if not args.no_prune:
+            print("measuring this machine's rates to predict which candidates can matter (--no-prune skips this)",
+                  flush=True)
+            pruner = SweepPruner.measured(base, args.model, batch=args.batch, seq=args.seq)
         tuned = tune(base, args.model, steps=args.steps, batch=args.batch, seq=args.seq, sweep=sweep,
-                     max_rss=args.max_rss, timeout=args.timeout, rounds=args.rounds, on_result=show)
+                     max_rss=args.max_rss, timeout=args.timeout, rounds=args.rounds, on_result=show, pruner=pruner)
     except ValueError as e:
         raise UsageError(str(e)) from None
     best, tried, confirmation = tuned.best, tuned.candidates, tuned.confirmation
+    for why in tuned.pruned:
+        print(f"not run, by the prediction: {why}")
     rows = []
     for c in sorted(tried, key=lambda c: c.result.get("step_seconds", float("inf"))):
         r, io = c.result, c.config.io
@@ -407,6 +418,7 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
         write_values(args.out, written)  # as Config.to_file writes it, in the format --out names
         print(f"fastest (*) written to {args.out}; use it with `outcore train --config {args.out}`")
     write_json(args.json, {"best": written, "confirmation": confirmation.as_dict() if confirmation else None,
+                           "pruned": tuned.pruned,
                            "candidates": [{"label": c.label, "config": c.config.to_dict(), **c.result,
                                            "samples": c.samples} for c in tried]})
     return EXIT_OK

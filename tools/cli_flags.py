@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--queue-depth", type=_ints, help="values to try (default 8,32)")
     u.add_argument("--threads", type=_ints, help="values to try (default 2,4,8)")
     u.add_argument("--nice", type=_ints, help="background threads' nice levels below compute, to try (default 0,15)")
+    u.add_argument("--no-prune", action="store_true",
+                   help="run every candidate, even those the step prediction shows cannot win (it measures the "
+                        "disk, compute and AdamW rates first, about 15 s)")
     u.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds each phase's candidates, and "
                    "at the end the winner against the given config, are measured in (default 3)")
     u.add_argument("--max-rss", type=_size, help="reject candidates whose peak RSS is above this")

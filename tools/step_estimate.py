@@ -228,6 +228,9 @@ def measure_flops(device: str, dtype: str, *, tokens: int = 2048, d_model: int =
 
     from outcore.runtime.policy import torch_dtype
 
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError("the compute rate of --device cuda cannot be measured on a machine with no CUDA device: "
+                         "give --flops (and --peak-flops) to predict a GPU's step here, or --device cpu.")
     kind = torch_dtype(dtype)
     mlp = torch.nn.Sequential(torch.nn.LayerNorm(d_model), torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(),
                               torch.nn.Linear(4 * d_model, d_model)).to(device=device, dtype=kind)

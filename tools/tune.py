@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from outcore import runtime
 from outcore.hf.source import HFModel
+from outcore.tools.sweep_pruning import SweepPruner
 from outcore.tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
@@ -103,6 +104,7 @@ class Tuned:
     best: runtime.Config | None
     candidates: list[Candidate]
     confirmation: Confirmation | None
+    pruned: list[str] = dataclasses.field(default_factory=list)  # what the prediction left out, and why
 
 
 def measure(config: runtime.Config, model_spec: str, *, steps: int, batch: int, seq: int | None) -> dict:
@@ -206,12 +208,24 @@ def _variants(best: runtime.Config, knob: str, values: list,
 
 def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 1, seq: int | None = None,
          sweep: dict | None = None, max_rss: int | None = None, timeout: float = 1800, rounds: int = 3,
-         on_result=None) -> Tuned:
+         on_result=None, pruner: SweepPruner | None = None) -> Tuned:
     """Coordinate descent over the sweep, each phase's candidates measured in `rounds` interleaved
-    rounds, and the winner confirmed against the given config ([Note: a winner that holds])."""
+    rounds, and the winner confirmed against the given config ([Note: a winner that holds]). With a
+    `pruner`, candidates the step prediction shows cannot win are not run (tools/sweep_pruning.py)."""
     sweep = {**DEFAULT_SWEEP, **(sweep or {})}
     uses_nvme = "nvme" in (base.offload_params, base.offload_optimizer)
     tried: dict[str, Candidate] = {}
+    pruned: list[str] = []
+
+    def can_matter(knob: str, cfg: runtime.Config, label: str) -> bool:
+        why = None
+        if pruner is not None and knob in ("io", "threads"):
+            why = pruner.skip_io(best.config)
+        elif pruner is not None and knob == "host":
+            why = pruner.skip_host_budget(best.config, cfg)
+        if why and (knob == "host" or not any(p.startswith(f"{knob}:") for p in pruned)):
+            pruned.append(f"{knob}: {why}" if knob != "host" else f"{label}: {why}")
+        return why is None
 
     def candidate(cfg: runtime.Config, label: str) -> Candidate:
         return tried.setdefault(json.dumps(cfg.to_dict(), sort_keys=True), Candidate(cfg, label))
@@ -247,7 +261,8 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
             phases.append(("host", sweep["host_budget_fraction"]))
     for knob, values in phases:
         phase = [best] + [c for c in (candidate(cfg, label) for cfg, label in
-                                      _variants(best.config, knob, values, base.host_budget)) if c is not best]
+                                      _variants(best.config, knob, values, base.host_budget)
+                                      if can_matter(knob, cfg, label)) if c is not best]
         if len(phase) == 1:
             continue
         start = {id(c): len(c.samples) for c in phase}
@@ -260,14 +275,14 @@ def tune(base: runtime.Config, model_spec: str, *, steps: int = 3, batch: int = 
             if cand.ok and _better(now[id(cand)], now[id(best)]):
                 best = cand
     if best is given:
-        return Tuned(None, list(tried.values()), None)
+        return Tuned(None, list(tried.values()), None, pruned)
     final = [Candidate(given.config, given.label), Candidate(best.config, best.label)]
     interleave(final, rounds)
     if not all(c.ok for c in final):
-        return Tuned(None, list(tried.values()), None)
+        return Tuned(None, list(tried.values()), None, pruned)
     confirmation = Confirmation([r["step_seconds"] for r in final[0].samples],
                                 [r["step_seconds"] for r in final[1].samples])
-    return Tuned(best.config if confirmation.holds else None, list(tried.values()), confirmation)
+    return Tuned(best.config if confirmation.holds else None, list(tried.values()), confirmation, pruned)
 
 
 def _summary(samples: list[dict]) -> dict:

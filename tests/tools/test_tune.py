@@ -26,7 +26,7 @@ def test_tune_measures_candidates_in_processes_and_writes_a_winner_only_where_it
     base.to_file(tmp_path / "base.json")
     argv = ["tune", "--config", "base.json", "--model", "tiny", "--steps", "1", "--batch", "2", "--seq", "64",
             "--prefetch-depth", "1,2", "--block-size", "256K", "--queue-depth", "8", "--threads", "2",
-            "--nice", "0,15", "--rounds", "1", "--out", "tuned.json", "--json", "tune.json"]
+            "--nice", "0,15", "--rounds", "1", "--no-prune", "--out", "tuned.json", "--json", "tune.json"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "tune.json").read_text())
