@@ -371,9 +371,9 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
                                ("queue_depth", args.queue_depth), ("threads", args.threads),
                                ("nice", args.nice)) if v}
 
-    def show(c) -> None:
-        r = c.result
-        if c.ok:
+    def show(c) -> None:  # the round just measured (the table below gives each candidate's medians)
+        r = c.samples[-1]
+        if "error" not in r:
             print(f"  {c.label}: {r['step_seconds']:.3f} s/step, I/O wait {r['io_wait_seconds']:.3f} s, "
                   f"peak RSS {human_bytes(r['peak_rss_bytes'])}", flush=True)
         else:
