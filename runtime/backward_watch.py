@@ -1,7 +1,7 @@
 """Whether a backward pass the caller ran itself (`loss.backward()`) finished, or raised partway.
 
 The engine hears of a plain backward only through its hooks, and of its end only at its next call
-(`Engine._in_backward`). To tell the two apart it queues a callback on each autograd graph task its
+(`UnitLifecycle.in_backward`). To tell the two apart it queues a callback on each autograd graph task its
 hooks run in: autograd runs a task's callbacks when the task finishes, and never when it raises. A
 reentrant activation checkpoint runs a nested task inside the pass, which may finish while the
 outer one then fails; so the forward's outputs also get a pre-hook, which runs in the outer task

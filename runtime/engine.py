@@ -22,7 +22,6 @@ step      the global grad norm (clipping) and fp16 overflow are reduced across r
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import os
@@ -35,13 +34,12 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.runtime.backward_watch import BackwardWatch
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
-from outcore.runtime.collectives import Group, give_up_group, init_group, rank_device
+from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
-from outcore.runtime.flat_unit import FlatUnit, Layout, UnitState
-from outcore.runtime.gradient_path import GradientPath, Undone
+from outcore.runtime.flat_unit import FlatUnit, Layout
+from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import LearningRate, Schedule, SchedulerFactory
@@ -54,6 +52,7 @@ from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
+from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
 from outcore.runtime.vertical import (
@@ -71,22 +70,16 @@ from outcore.runtime.vertical import (
 log = logging.getLogger(__name__)
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
 def _engine_call(method: Callable[..., Any]) -> Callable[..., Any]:
     """An engine API call: refused, saying so, after `close()`; else it first ends the micro-step of
-    a plain `loss.backward()` the caller ran before it (`Engine._in_backward`)."""
+    a plain `loss.backward()` the caller ran before it (`UnitLifecycle.in_backward`)."""
     @functools.wraps(method)
     def call(self: Engine, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"Engine.{method.__name__}: this engine was closed, and its parameters and "
                                "optimizer states went with its store; build a new Engine (load_checkpoint "
                                "restores a saved run into it).")
-        self._end_plain_backward()
+        self.lifecycle.end_plain_backward()
         return method(self, *args, **kwargs)
     return call
 
@@ -107,8 +100,6 @@ class Engine:
         self.schedule = Schedule(self.hp.lr, lr_scheduler)  # runtime/lr_schedule.py
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
-        self.device_ahead = self.policy.device_window  # units of the prefetch window asked onto DEVICE
-        self.phase = Phase.IDLE
         self.global_step = 0
         if any(isinstance(p, AnchorParameter) for p in model.parameters()):
             raise ValueError(f"this {type(model).__name__} is already wrapped by an outcore Engine: its parameters "
@@ -142,12 +133,11 @@ class Engine:
                                       device=self.device, work_device=work_device)
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
                                     state_dict_keys, self.family)
-        self._gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
-        self._batch: VerticalBatch | None = None  # a train_batch in flight
+        self.lifecycle = UnitLifecycle(self.units, self.store, self.place, self.policy, self.trace, self.updates,
+                                       self.gradients, self.sharded, self.scaler, self.schedule, self.group,
+                                       self.device)
         self._random_draws = RandomDraws(self.device)
         self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
-        self._plain_backward = False  # a loss.backward() the engine has not ended yet (`_in_backward`)
-        self._watch = BackwardWatch()  # whether that backward finished or raised
         self._hooks: list[Any] = []
         self._closed = False
         # Keys the config keeps in memory went to NVMe once the host budget was full: said once.
@@ -204,7 +194,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
-        self.phase = Phase.FORWARD
+        self.lifecycle.phase.begin_forward()
         failed = False
         runs_before = dict(self.gradients.backward_pass.runs)
         try:
@@ -212,7 +202,7 @@ class Engine:
             if torch.is_grad_enabled():
                 if not self.policy.resident or self.policy.overlapped:
                     refuse_a_second_backward(output)
-                self._watch.arm(output)  # after: a second backward refused there never starts a pass
+                self.lifecycle.watch.arm(output)  # after: a second backward refused there never starts a pass
             return output
         except BaseException:
             # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward, no
@@ -222,9 +212,9 @@ class Engine:
             failed = True
             raise
         finally:
-            self.phase = Phase.IDLE
+            self.lifecycle.phase.end()
             if failed or not torch.is_grad_enabled():  # no backward will come to release the units
-                self._reshard_all()
+                self.lifecycle.reshard_all()
                 self.trace.discard_step()
             if failed:
                 self.gradients.forward_failed(runs_before)
@@ -234,100 +224,17 @@ class Engine:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
         self.updates.check()
-        self._refuse_a_full_window()
-        self.phase = Phase.BACKWARD
+        self.lifecycle.refuse_a_full_window()
+        self.lifecycle.phase.begin_backward()
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException as error:
-            self._abandon_micro_step(error)
+            self.lifecycle.abandon_micro_step(error)
             raise
         finally:
-            self.phase = Phase.IDLE
-        self._watch.forget()
-        self._end_micro_step()
-
-    def _end_micro_step(self) -> None:
-        for index in self.gradients.incomplete():  # its update starts only now
-            self.gradients.complete(self.units[index])
-            self._start_update(self.units[index], None)
-        self._reshard_all()  # units that produced no gradient this time (unused) still let go
-        for index in self.gradients.settle_ranks():  # their updates waited for every rank's word
-            self.gradients.hand_over(self.units[index], None, self.lr)
-        self.gradients.end_micro_step()
-        self.trace.end_step()
-
-    def _in_backward(self) -> None:
-        """Called by every hook autograd runs. Outside `backward()` and `train_batch()`, the caller
-        ran `loss.backward()` itself: the pass is then the engine's backward, and its micro-step
-        ends at the engine's next call (`_end_plain_backward`). Not at the end of autograd's pass:
-        a reentrant checkpoint runs a nested pass, whose end is not the end of backward."""
-        if self._plain_backward:
-            self._watch.enter()  # each graph task of the pass: runtime/backward_watch.py
-            return
-        if self.phase is Phase.BACKWARD:
-            return
-        self._refuse_a_full_window()
-        if self.scaler.enabled:
-            raise RuntimeError("fp16 training needs engine.backward(loss) in place of loss.backward(): the "
-                               "engine scales the loss there, and unscaled fp16 gradients would underflow.")
-        self.phase = Phase.BACKWARD
-        self._plain_backward = True
-        self._watch.enter()
-
-    def _refuse_a_full_window(self) -> None:
-        """A backward pass beyond the window's `grad_accumulation`, before `step()`: its gradient
-        would be summed into one the norm has already been taken of, and without clipping the
-        updates have already spent it. So it is refused, before any gradient of it lands."""
-        if not self.gradients.window_complete:
-            return
-        self._reshard_all()  # what the refused pass's forward gathered for it
-        spent = ", and its updates already ran during backward" if self.policy.overlapped else ""
-        raise RuntimeError(f"a backward pass beyond grad_accumulation={self.config.grad_accumulation} before step(): "
-                           f"this step's gradients are complete{spent}, so another pass cannot be summed into "
-                           "them. Call engine.step() first; for several backward passes per step set "
-                           "Config(grad_accumulation=K), or sum the losses and call backward once.")
-
-    def _end_plain_backward(self) -> None:
-        """The engine is called again after a plain `loss.backward()` (`_engine_call`, `close`): its
-        micro-step ends here."""
-        if not self._watch.finished:  # it raised partway (maybe before any unit's hook), and the caller caught it
-            self._abandon_micro_step(None)
-        elif self._plain_backward:
-            self._plain_backward = False
-            self.phase = Phase.IDLE
-            self._end_micro_step()
-
-    def _abandon_micro_step(self, error: BaseException | None, failed: str = "a backward pass") -> None:
-        """A backward pass (or a whole train_batch: `failed` names it) raised: put the engine back as
-        before it, or, where that cannot be done, stop it ([Note: a failed micro-step])."""
-        self.phase = Phase.IDLE
-        self._plain_backward = False
-        self._watch.forget()
-        undone = self.gradients.abandon_pass(self.units)
-        self._reshard_all()
-        self.trace.discard_step()
-        what = f"{type(error).__name__}" if error is not None else "a loss.backward() the caller caught"
-        if self.group.world > 1:
-            give_up_group()  # the others learn of it now, not at their collective's timeout
-            why = (f"rank {self.group.rank}: {failed} failed partway ({what}), so the ranks' collectives are "
-                   "no longer in step and this process group cannot go on. Restart every rank and resume from the "
-                   "last checkpoint (engine.load_checkpoint()).")
-            self.updates.halt(why, error)
-        elif undone is Undone.NOTHING:
-            why = (f"{failed} failed partway ({what}) after some units' updates had started beside it "
-                   "(no clipping and no fp16: each update starts as soon as its unit's gradient is final), so "
-                   "those units' parameters and optimizer states moved on and the others did not. This engine "
-                   "will not step, save or export from that state: engine.load_checkpoint() restores the last "
-                   "checkpoint (or close it and start again).")
-            self.updates.halt(why, error)
-        else:
-            why = ("the engine is as before that micro-step" if undone is Undone.PASS else
-                   "its gradients were already summed into those of the window's earlier micro-steps, so the "
-                   "whole accumulation window was dropped; the next backward starts a new one")
-            why = f"{failed} failed partway ({what}): {why}."
-        log.warning("%s", why)
-        if error is not None:
-            error.add_note(f"outcore: {why}")
+            self.lifecycle.phase.end()
+        self.lifecycle.watch.forget()
+        self.lifecycle.end_micro_step()
 
     @_engine_call
     def train_batch(self, micro_batches: Sequence[Any],
@@ -360,30 +267,30 @@ class Engine:
             output = call_model(self.model, micro_batches[index])
             return batch_loss(output, micro_batches[index], loss_fn)
 
-        self._batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
+        batch = self.lifecycle.schedule = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
         self.gradients.begin_batch(count)
         # once each: a module with frozen parameters is two units (the trainable and its frozen sibling)
         blocks = list({id(u.plan.module): u.plan.module for u in self.units
                        if u.plan.module is not self.model}.values())
         try:
             with checkpointed(blocks, self.model), torch.enable_grad(), uncompiled(self.model):
-                self.phase = Phase.FORWARD
+                self.lifecycle.phase.begin_forward()
                 with saved.hooks(), self._random_draws.watch(count):
-                    losses = self._batch.turns.run(forward)
-                self.phase = Phase.BACKWARD
+                    losses = batch.turns.run(forward)
+                self.lifecycle.phase.begin_backward()
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 (total * self.scaler.scale if self.scaler.enabled else total).backward()
         except BaseException as error:
-            self._abandon_micro_step(error, "a train_batch")
+            self.lifecycle.abandon_micro_step(error, "a train_batch")
             raise
         finally:
-            self.phase = Phase.IDLE
-            self._batch = None
+            self.lifecycle.phase.end()
+            self.lifecycle.schedule = OneMicroBatch()
             self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme,
                                  "bytes_kept": saved.bytes_kept}
             saved.clear()
-            self._reshard_all()
-        self._end_micro_step()
+            self.lifecycle.reshard_all()
+        self.lifecycle.end_micro_step()
         stats = self.step()
         stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats
@@ -471,7 +378,7 @@ class Engine:
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
         """Restore exactly what `save_checkpoint` wrote (`tag=None`: the latest). After a failed
         update or pass this also mends the engine; units a failure left gathered let go first."""
-        self._reshard_all()
+        self.lifecycle.reshard_all()
         meta = load_checkpoint(self.sharded, directory, tag)
         self.global_step = int(meta["step"])
         self.lr = float(meta["lr"])
@@ -506,7 +413,7 @@ class Engine:
                  optimizer_seconds=self.updates.seconds, units=len(self.units), step=self.global_step,
                  speculative_updates=dict(self.updates.speculated),
                  trace_divergences=self.trace.divergences, activations=dict(self._activations),
-                 gathered={"bytes": self._gathered_bytes(), "peak": self._gathered_peak})
+                 gathered={"bytes": self.lifecycle.gathered_bytes(), "peak": self.lifecycle.gathered_peak})
         return s
 
     def memory_plan(self) -> MemoryPlan:
@@ -519,7 +426,7 @@ class Engine:
         self._closed = True
         forget(self._exit_token)
         try:
-            self._end_plain_backward()
+            self.lifecycle.end_plain_backward()
             self.updates.close()  # an update's error not raised before is raised, after the rest
         finally:
             for h in self._hooks:
@@ -532,77 +439,6 @@ class Engine:
             finally:
                 if self._owned_dir is not None:
                     self._owned_dir.remove()
-
-    # -- called by the hooks (runtime/hooks.py) ---------------------------------------------------
-
-    def unit_forward_start(self, unit: FlatUnit) -> None:
-        self.sharded.check_unconverted(self.device, self.policy.torch_dtype)
-        batch = self._batch
-        if batch is not None and batch.turns.current is not None:
-            batch.turns.boundary()  # the next micro-batch's turn: runtime/vertical.py [Note: vertical schedule]
-            if not batch.shared_views:
-                batch.resume()
-        self.updates.wait(unit)
-        if self.phase is Phase.FORWARD:
-            self._prefetch(self.trace.visit("forward", unit.index))
-        self._gather(unit)
-        # In an fp32 train_batch the micro-batches share one set of views (autograd sums into them),
-        # bound again only where the unit was released in between (recomputed in backward).
-        if batch is None or not batch.shared_views or unit.index not in batch.bound or not unit.views_bound:
-            views = unit.bind_views()
-            if self.phase is not Phase.BACKWARD and torch.is_grad_enabled():
-                self.gradients.ran(unit)
-            if batch is not None and batch.shared_views:
-                batch.bound.add(unit.index)
-            elif batch is not None and batch.turns.current is not None:
-                batch.keep_views(unit, views)
-
-    def unit_forward_end(self, unit: FlatUnit) -> None:
-        # ZeRO-3: the full parameters exist only while the unit runs (or, recomputed under
-        # activation checkpointing, until its backward); in a train_batch, until the last
-        # micro-batch has run it.
-        if self._batch is not None and self.phase is Phase.FORWARD and not self._batch.last_of("forward", unit.index):
-            return
-        if self.phase is not Phase.BACKWARD:
-            unit.release()
-
-    def unit_backward_start(self, unit: FlatUnit) -> None:
-        self._in_backward()
-        self.updates.wait(unit)
-        self._prefetch(self.trace.visit("backward", unit.index))
-        self._gather(unit)
-        if not unit.views_bound:
-            # Activation checkpointing may recompute the unit's forward without its forward hooks
-            # (a train_batch's in-place checkpoint, runtime/vertical.py; Hugging Face's), and the
-            # recomputed forward reads the modules' attributes. With grad, as in forward: views
-            # that required none would change what the recomputation saves.
-            with torch.enable_grad():
-                unit.bind_views()
-
-    def unit_grad_ready(self, unit: FlatUnit, grads: list[torch.Tensor | None]) -> None:
-        """Backward is done with the unit (`grads`: its parameters' gradients): reduce them to this
-        rank's fp32 shard and accumulate or hand them over (runtime/gradient_path.py)."""
-        self._in_backward()
-        handed, final = self.gradients.receive(unit, grads)
-        del grads
-        if final:
-            self._start_update(unit, handed)
-        elif not unit.plan.root:  # between parts a block lets go: its next run's backward gathers it again
-            unit.release()
-
-    def _start_update(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None) -> None:
-        """The unit's gradient is whole: release the unit first (its update changes the shard),
-        then hand the gradient over (`GradientPath.hand_over`)."""
-        unit.release()
-        self.gradients.hand_over(unit, handed, self.lr)
-
-    def unit_backward_end(self, unit: FlatUnit) -> None:
-        """Backward is done with a frozen unit (its module's inputs have their gradients), or a root
-        unit ran without grad: let the full parameters go (in a train_batch, after the last
-        micro-batch's)."""
-        if self._batch is not None and not self._batch.last_of("backward", unit.index):
-            return
-        unit.release()
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -621,32 +457,4 @@ class Engine:
             raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
         self.sharded.guard_state_dict()
-        self._hooks = register_hooks(self, self.units, self.model)
-
-    def _gather(self, unit: FlatUnit) -> None:
-        """The unit's whole parameters, gathered unless they already are (a resident unit, the root
-        unit in backward, a unit recomputed under activation checkpointing)."""
-        if unit.state is UnitState.SHARDED:
-            unit.unshard()
-        self._gathered_peak = max(self._gathered_peak, self._gathered_bytes())
-
-    def _reshard_all(self) -> None:
-        for u in self.units:
-            u.release()
-
-    def _gathered_bytes(self) -> int:
-        return sum(u.flat.untyped_storage().nbytes() for u in self.units  # borrowed ones are in the store
-                   if u.state is UnitState.UNSHARDED and not u.aliased and not u.borrowed)
-
-    def _prefetch(self, unit_indices: list[int]) -> None:
-        """Start bringing the parameter shards of the units expected next (`prefetch_depth` of them)
-        closer: the nearest `device_ahead` onto the device, the rest from NVMe into HOST
-        (`StatePolicy.device_window`; the two levels of docs/design.md)."""
-        # A unit still being updated is skipped: its update brings its shard into memory itself.
-        # (A finished update stays pending until the unit is next gathered: not skipped.)
-        keys = [self.units[i].param_key for i in unit_indices if not self.updates.updating(i)
-                and not self.units[i].resident and self.units[i].state is UnitState.SHARDED]
-        if keys:
-            self.store.prefetch(keys[: self.device_ahead], Tier.DEVICE)
-            if self.place.param_tier == Tier.NVME and len(keys) > self.device_ahead:
-                self.store.prefetch(keys[self.device_ahead :], Tier.HOST)
+        self._hooks = register_hooks(self.lifecycle, self.units, self.model)

@@ -163,7 +163,7 @@ class GradientPath:
         one of their runs had no backward."""
         return [i for i, n in self.backward_pass.parts.items() if n < self.backward_pass.runs.get(i, 0)]
 
-    def complete(self, unit: FlatUnit) -> None:
+    def complete(self, unit: FlatUnit, lr: float) -> None:
         """What came of `unit`'s gradient is all of it (see `incomplete`); the log says so once."""
         now = self.backward_pass
         if not self._said_incomplete:
@@ -171,16 +171,26 @@ class GradientPath:
             log.info("%s ran %d times in forward and got %d gradients in backward; its update waited for the end "
                      "of backward", unit.name, now.runs[unit.index], now.parts[unit.index])
         now.runs[unit.index] = now.parts[unit.index]
-        self.receive(unit, [None] * len(unit.plan.slots), part=False)
+        self.receive(unit, [None] * len(unit.plan.slots), lr, part=False)
 
-    def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None], *,
-                part: bool = True) -> tuple[list[list[torch.Tensor]] | None, bool]:
+    def receive(self, unit: FlatUnit, grads: list[torch.Tensor | None], lr: float, *, part: bool = True) -> None:
         """Backward is done with one run of `unit` (`grads`: its parameters' gradients from that
-        run, in slot order): reduce and accumulate them. A module run twice in a forward, or two
-        forwards before one backward, gives its gradient in parts, one per run (`ran`); `part`:
-        `grads` is one of them (else zeros that complete it). Returns the gradient shard, per chunk,
-        when it is to be handed over in memory (see `hand_over`), else None; and whether this
-        part was the last."""
+        run, in slot order): reduce and accumulate them, and let the unit go. A module run twice in
+        a forward, or two forwards before one backward, gives its gradient in parts, one per run
+        (`ran`); `part`: `grads` is one of them (else zeros that complete it). On the last part the
+        unit is released before its gradient is handed over (its update changes the shard); between
+        parts a block lets go too, and its next run's backward gathers it again (the root stays)."""
+        handed, final = self._reduce(unit, grads, part)
+        del grads
+        if final or not unit.plan.root:
+            unit.release()
+        if final:
+            self.hand_over(unit, handed, lr)
+
+    def _reduce(self, unit: FlatUnit, grads: list[torch.Tensor | None],
+                part: bool) -> tuple[list[list[torch.Tensor]] | None, bool]:
+        """`receive`'s reduction. Returns the gradient shard, per chunk, when it is to be handed
+        over in memory (see `hand_over`), else None; and whether this part was the last."""
         window, now = self.window, self.backward_pass
         if now.before is None:  # what `abandon_pass` goes back to
             now.before = window.bookmark()
@@ -293,7 +303,7 @@ class GradientPath:
                 self.window.idle[index] = idle
 
     def hand_over(self, unit: FlatUnit, handed: list[list[torch.Tensor]] | None, lr: float) -> None:
-        """After `receive` and once the unit is released (an update changes its shard): on the last
+        """Once the unit's gradient is final and the unit released (an update changes its shard): on the last
         micro-step of an overlapped step, its update starts now, behind the rest of backward; of a
         speculating one, where its states could be kept aside."""
         window, now = self.window, self.backward_pass

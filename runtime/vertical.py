@@ -135,6 +135,28 @@ class VerticalBatch:
         self._ends[key] = self._ends.get(key, 0) + 1
         return self._ends[key] >= self.count
 
+    # -- the schedule the unit lifecycle consults (runtime/unit_lifecycle.py `MicroBatchSchedule`) --
+
+    def unit_entered(self, unit: FlatUnit) -> None:
+        if self.turns.current is not None:
+            self.turns.boundary()  # the next micro-batch's turn: [Note: vertical schedule]
+            if not self.shared_views:
+                self.resume()
+
+    def needs_views(self, unit: FlatUnit) -> bool:
+        # In fp32 the micro-batches share one set of views (autograd sums into them), bound again
+        # only where the unit was released in between (recomputed in backward).
+        return not self.shared_views or unit.index not in self.bound or not unit.views_bound
+
+    def views_bound(self, unit: FlatUnit, views: list[torch.Tensor]) -> None:
+        if self.shared_views:
+            self.bound.add(unit.index)
+        elif self.turns.current is not None:
+            self.keep_views(unit, views)
+
+    def holds(self, moment: str, unit: FlatUnit) -> bool:
+        return not self.last_of(moment, unit.index)
+
 
 class RandomDraws:
     """Notices a forward of K > 1 micro-batches that drew random numbers, and says once per

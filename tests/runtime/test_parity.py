@@ -242,9 +242,9 @@ def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to
                          prefetch_depth=4)
     ours_model, ref_model = twins(lambda: TinyGPT(layers=6))
     engine = outcore.Engine(ours_model, cfg, outcore.AdamW(**HP))
-    assert engine.device_ahead == 4  # on a CPU, DEVICE is RAM too: the whole window goes there
+    assert engine.lifecycle.device_ahead == 4  # on a CPU, DEVICE is RAM too: the whole window goes there
     # The GPU's two levels, run through the real store:
-    engine.device_ahead = dataclasses.replace(engine.policy, device_type="cuda").device_window
+    engine.lifecycle.device_ahead = dataclasses.replace(engine.policy, device_type="cuda").device_window
     asked = []  # (tier, unit indices) of every prefetch the engine asks the real store for
     real = engine.store.prefetch
 
@@ -260,7 +260,7 @@ def test_prefetch_reads_far_ahead_into_host_and_brings_only_the_nearest_units_to
     assert_losses_match(ours, train_plain(ref_model, data, clip=1.0))
     device = [units for tier, units in asked if tier == Tier.DEVICE and units]
     host = [units for tier, units in asked if tier == Tier.HOST and units]
-    assert engine.device_ahead == 2 and device and host
+    assert engine.lifecycle.device_ahead == 2 and device and host
     assert max(len(u) for u in device) == 2 and max(len(u) for u in host) == 2
     # What reached HOST early is what DEVICE asks for one unit later: the window moves up a level.
     firsts = {u[0] for u in host}
