@@ -17,10 +17,10 @@ import numpy as np
 from outcore.offload.background import background_pool, lower_priority
 from outcore.offload.checksum import block_checksum
 from outcore.offload.io_config import IOConfig
-from outcore.offload.io_engine import Finalizer, IOCounters, IOFile, IOHandle, ShortIOError
+from outcore.offload.io_engine import Finalizer, IOCounters, IOEngine, IOFile, IOHandle, ShortIOError
 
 
-class AiofilesIOEngine:
+class AiofilesIOEngine(IOEngine):
     """Blocks of a request run as coroutines, at most `queue_depth` at once, over `threads` workers."""
 
     def __init__(self, config: IOConfig) -> None:
@@ -34,14 +34,6 @@ class AiofilesIOEngine:
         self._files: dict[str, asyncio.Queue] = {}  # path -> idle aiofiles objects (loop thread only)
         self._opened: list = []
         self._slots = asyncio.Semaphore(config.queue_depth)  # used in the loop thread only
-
-    def read(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-             finalize: Finalizer | None = None) -> IOHandle:
-        return self._submit(False, file, offset, array, checksum, finalize)
-
-    def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-              finalize: Finalizer | None = None) -> IOHandle:
-        return self._submit(True, file, offset, array, checksum, finalize)
 
     def _run_loop(self) -> None:
         lower_priority(self.config.nice)

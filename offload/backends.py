@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import numpy as np
-
 from outcore.offload.io_config import IOConfig
-from outcore.offload.io_engine import IOCounters, IOFile, IOHandle, ThreadIOEngine
+from outcore.offload.io_engine import IOEngine, ThreadIOEngine
 
-
-class IOEngine(Protocol):
-    """What the store needs of an I/O backend."""
-
-    config: IOConfig
-    counters: IOCounters
-
-    def read(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-             finalize=None) -> IOHandle: ...
-
-    def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-              finalize=None) -> IOHandle: ...
-
-    def close(self) -> None: ...
+__all__ = ["IOEngine", "make_engine"]
 
 
 def make_engine(config: IOConfig) -> IOEngine:

@@ -28,8 +28,10 @@ from outcore.offload.host_arena import ArenaBuffer, HostArena
 from outcore.offload.io_config import round_up
 
 
-class _BudgetedPool(ABC):
-    """The budget and its waits; subclasses say where a buffer comes from and where it goes."""
+class ByteBudget:
+    """A tier's byte budget and what is charged to it ([Note: pool accounting]); its lock is
+    `_cond`, which the methods marked so expect held. The host pools and the GPU's memory
+    (offload/device_memory.py) keep their bytes on one."""
 
     def __init__(self, budget: int, *, name: str) -> None:
         if budget < 0:
@@ -41,12 +43,41 @@ class _BudgetedPool(ABC):
         self.peak = 0
         self._cond = threading.Condition()
 
+    def available(self) -> int:
+        """Bytes a request could get now without waiting (cached buffers count as free)."""
+        with self._cond:
+            return self.budget - self.in_use
+
+    def _check_fits(self, capacity: int) -> None:
+        if capacity > self.budget:
+            raise OutOfBudgetError(self.name, capacity, self.budget, "A single buffer is larger than the whole budget.")
+
+    def _fits_now(self, capacity: int) -> bool:
+        """(`_cond` held)"""
+        return self.in_use + capacity <= self.budget
+
+    def _charge(self, capacity: int) -> None:
+        """(`_cond` held)"""
+        self.in_use += capacity
+        self.peak = max(self.peak, self.in_use + self.cached)
+        assert self.in_use + self.cached <= self.budget, "[Note: pool accounting] violated"
+
+    def _credit(self, capacity: int) -> None:
+        """(`_cond` held)"""
+        assert self.in_use >= capacity, "released bytes this budget does not account for"
+        self.in_use -= capacity
+        self._cond.notify_all()
+
+
+class _BudgetedPool(ByteBudget, ABC):
+    """The budget and its waits; subclasses say where a buffer comes from and where it goes."""
+
     def try_acquire(self, nbytes: int) -> HostBuffer | None:
         """A buffer of at least `nbytes`, or None when the budget has no room now."""
         capacity = round_up(max(nbytes, 1))
         self._check_fits(capacity)
         with self._cond:
-            if self.in_use + capacity > self.budget:
+            if not self._fits_now(capacity):
                 return None
             buf = self._take(capacity)
             if buf is not None:
@@ -71,32 +102,23 @@ class _BudgetedPool(ABC):
         """Return `buf` for reuse; the caller must hold no view of it any more."""
         assert isinstance(buf, HostBuffer), "a host pool takes back host buffers only"
         with self._cond:
-            assert self.in_use >= buf.capacity, "released a buffer this pool does not account for"
-            self.in_use -= buf.capacity
+            self._credit(buf.capacity)
             self._give(buf)
-            self._cond.notify_all()
 
     def detach(self, buf: Buffer) -> None:
         """Stop accounting for `buf`: its ownership moves to another pool (zero-copy tier move)."""
         with self._cond:
-            assert self.in_use >= buf.capacity
-            self.in_use -= buf.capacity
-            self._cond.notify_all()
+            self._credit(buf.capacity)
 
     def try_adopt(self, buf: Buffer) -> bool:
         """Start accounting for a buffer another pool detached; False when there is no room."""
         self._check_fits(buf.capacity)
         with self._cond:
-            if self.in_use + buf.capacity > self.budget:
+            if not self._fits_now(buf.capacity):
                 return False
             self._make_room(buf.capacity)
             self._charge(buf.capacity)
             return True
-
-    def available(self) -> int:
-        """Bytes a request could get now without waiting (cached buffers count as free)."""
-        with self._cond:
-            return self.budget - self.in_use
 
     @abstractmethod
     def trim(self) -> None:
@@ -119,14 +141,6 @@ class _BudgetedPool(ABC):
     def _make_room(self, capacity: int) -> None:
         """Make `capacity` more bytes in use fit beside what the pool caches."""
 
-    def _check_fits(self, capacity: int) -> None:
-        if capacity > self.budget:
-            raise OutOfBudgetError(self.name, capacity, self.budget, "A single buffer is larger than the whole budget.")
-
-    def _charge(self, capacity: int) -> None:
-        self.in_use += capacity
-        self.peak = max(self.peak, self.in_use + self.cached)
-        assert self.in_use + self.cached <= self.budget, "[Note: pool accounting] violated"
 
 
 class HostBufferPool(_BudgetedPool):

@@ -11,55 +11,44 @@ Tensors the store returns are safe to use on the default stream; other streams m
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
+from outcore.offload.buffer_pool import ByteBudget
 from outcore.offload.buffers import Buffer, DeviceBuffer, HostBuffer
 from outcore.offload.errors import OutOfBudgetError
 from outcore.offload.io_config import round_up
 
 
-class CudaMemory:
-    """Hands out `DeviceBuffer`s whose total capacity stays within `budget` bytes."""
+class CudaMemory(ByteBudget):
+    """Hands out `DeviceBuffer`s whose total capacity stays within `budget` bytes (nothing cached:
+    the caching allocator keeps its own blocks)."""
 
     def __init__(self, budget: int, device: torch.device) -> None:
-        if budget < 0:
-            raise ValueError(f"device_budget={budget} must be >= 0.")
-        self.budget = budget
+        super().__init__(budget, name="DEVICE")
         self.device = device
-        self.in_use = 0
-        self.cached = 0
-        self.peak = 0
         self.stream = torch.cuda.Stream(device)
-        self._lock = threading.Lock()
 
     def try_acquire(self, nbytes: int) -> DeviceBuffer | None:
         capacity = round_up(max(nbytes, 1))
-        if capacity > self.budget:
-            raise OutOfBudgetError("DEVICE", capacity, self.budget, "A single key is larger than the whole budget.")
-        with self._lock:
-            if self.in_use + capacity > self.budget:
+        self._check_fits(capacity)
+        with self._cond:
+            if not self._fits_now(capacity):
                 return None
-            self.in_use += capacity
-            self.peak = max(self.peak, self.in_use)
+            self._charge(capacity)
         try:
             with torch.cuda.stream(self.stream):
                 return DeviceBuffer(capacity, self.device)
         except torch.cuda.OutOfMemoryError as e:
-            with self._lock:
-                self.in_use -= capacity
+            with self._cond:
+                self._credit(capacity)
             raise OutOfBudgetError("DEVICE", capacity, self.budget,
                                    "The GPU itself ran out of memory below the budget; lower device_budget.") from e
 
     def release(self, buf: Buffer) -> None:
-        with self._lock:
-            self.in_use -= buf.capacity
-
-    def available(self) -> int:
-        with self._lock:
-            return self.budget - self.in_use
+        with self._cond:
+            self._credit(buf.capacity)
 
     def close(self) -> None:
         """Nothing cached here; the caching allocator keeps its own blocks."""

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ Finalizer = Callable[["IOHandle", BaseException | None], None]
 """Runs in the completing thread before the handle is done; what it raises becomes the handle's error."""
 
 
-class IOHandle(Handle):
+class IOHandle(Handle[None]):
     """Completion of one request; per-block checksums are in `crcs` when checksums were asked for."""
 
     __slots__ = ("crcs", "nbytes", "_remaining", "_first_error", "_finalize", "_block_lock")
@@ -175,7 +176,34 @@ def _pwrite_full(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-class ThreadIOEngine:
+class IOEngine(ABC):
+    """An I/O backend: reads and writes of whole arrays in `block_size` blocks, each one handle.
+    A backend says how a block goes to the file (`_submit`)."""
+
+    config: IOConfig
+    counters: IOCounters
+
+    def read(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
+             finalize: Finalizer | None = None) -> IOHandle:
+        """Read len(array) bytes at `offset` into `array` (uint8)."""
+        return self._submit(False, file, offset, array, checksum, finalize)
+
+    def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
+              finalize: Finalizer | None = None) -> IOHandle:
+        """Write `array` (uint8) at `offset`; `array` must stay untouched until the handle is done."""
+        return self._submit(True, file, offset, array, checksum, finalize)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the I/O under way and stop."""
+
+    @abstractmethod
+    def _submit(self, write: bool, file: IOFile, offset: int, array: np.ndarray, checksum: bool,
+                finalize: Finalizer | None) -> IOHandle:
+        """Start the blocks of one read or write; the handle completes when the last has."""
+
+
+class ThreadIOEngine(IOEngine):
     """The default backend: a fixed pool of threads doing positional, vectored reads and writes."""
 
     def __init__(self, config: IOConfig) -> None:
@@ -190,16 +218,6 @@ class ThreadIOEngine:
                                           name=f"outcore-io-{i}", daemon=True) for i in range(config.threads)]
         for w in self._workers:
             w.start()
-
-    def read(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-             finalize: Finalizer | None = None) -> IOHandle:
-        """Read len(array) bytes at `offset` into `array` (uint8)."""
-        return self._submit(False, file, offset, array, checksum, finalize)
-
-    def write(self, file: IOFile, offset: int, array: np.ndarray, *, checksum: bool = False,
-              finalize: Finalizer | None = None) -> IOHandle:
-        """Write `array` (uint8) at `offset`; `array` must stay untouched until the handle is done."""
-        return self._submit(True, file, offset, array, checksum, finalize)
 
     def close(self) -> None:
         with self._ready:

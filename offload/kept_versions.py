@@ -24,13 +24,13 @@ from outcore.offload.buffers import HostBuffer
 from outcore.offload.errors import StorageError
 from outcore.offload.io_config import round_up
 from outcore.offload.residency import STABLE, KeyRecord, Residency, Tier
-from outcore.offload.store_core import StoreCore
+from outcore.offload.store_state import StoreState
 
 
 class KeptVersions:
     """The kept bytes of a store's keys: in its swap file (None), or a copy in a memory tier."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: StoreState) -> None:
         self._core = core
         self._kept: dict[str, tuple[Tier, HostBuffer] | None] = {}
 
@@ -38,16 +38,16 @@ class KeptVersions:
         """Keep each key's present bytes aside, all or none; False where a dirty key found no free
         HOST memory for its copy (then nothing is kept)."""
         core = self._core
-        with core._cond:
-            core._check_open()
+        with core.cond:
+            core.check_open()
             taken: list[str] = []
             for key in keys:
                 if key in self._kept:
                     continue
                 rec = self._written_back(key)
                 assert rec.source is None, f"{key!r} is read from files outcore does not own: never changed"
-                if not rec.dirty and core._swap.entry(key) is not None:
-                    core._swap.keep(key)
+                if not rec.dirty and core.swap.entry(key) is not None:
+                    core.swap.keep(key)
                     self._kept[key] = None
                 else:
                     copy = self._copy(rec)
@@ -64,38 +64,38 @@ class KeptVersions:
         in the swap file, and keeping them there costs nothing, whatever the timing."""
         core = self._core
         deadline = time.monotonic() + core.wait_timeout
-        rec = core._record(key)
+        rec = core.record(key)
         while rec.state == Residency.TO_NVME:
             if time.monotonic() > deadline:
                 raise StorageError(f"key {key!r} stayed in flight for {core.wait_timeout:.0f} s")
-            core._cond.wait(0.05)
-            rec = core._record(key)
+            core.cond.wait(0.05)
+            rec = core.record(key)
         return rec
 
     def drop(self, key: str) -> None:
         """The change stands: the kept bytes of `key` are let go."""
-        with self._core._cond:
+        with self._core.cond:
             self._drop(key)
 
     def restore(self, key: str) -> None:
         """Take the change back: `key` holds its kept bytes again (it must not be pinned)."""
         core = self._core
-        with core._cond:
-            rec = core._settled_record(key)
+        with core.cond:
+            rec = core.settled_record(key)
             copy = self._kept.pop(key)
             if rec.buffer is not None:
-                core._free(rec.stable_tier, rec.buffer)
+                core.free(rec.stable_tier, rec.buffer)
             buffer = None
             if copy is None:
-                core._swap.restore_kept(key)
+                core.swap.restore_kept(key)
                 state, dirty = Residency.NVME, False
             else:
-                core._swap.discard(key)  # a copy of the change, if it was written
+                core.swap.discard(key)  # a copy of the change, if it was written
                 (tier, buffer), dirty = copy, True
                 state = STABLE[tier]
-            core._records[key] = KeyRecord(key, rec.nbytes, rec.dtype, rec.shape, state, buffer=buffer, dirty=dirty,
+            core.records[key] = KeyRecord(key, rec.nbytes, rec.dtype, rec.shape, state, buffer=buffer, dirty=dirty,
                                            home=rec.home, return_home=rec.return_home)
-            core._cond.notify_all()
+            core.cond.notify_all()
 
     def forget(self, key: str) -> None:
         """`key` leaves the store or is replaced: whatever was kept of it goes too (lock held)."""
@@ -103,15 +103,15 @@ class KeptVersions:
             self._drop(key)
 
     def __contains__(self, key: str) -> bool:
-        with self._core._cond:
+        with self._core.cond:
             return key in self._kept
 
     def _drop(self, key: str) -> None:
         copy = self._kept.pop(key)
         if copy is None:
-            self._core._swap.drop_kept(key)
+            self._core.swap.drop_kept(key)
         else:
-            self._core._free(*copy)
+            self._core.free(*copy)
 
     def _copy(self, rec: KeyRecord) -> tuple[Tier, HostBuffer] | None:
         """A copy of a dirty key's bytes in free memory: HOST's, or on a CPU-only store (where
@@ -120,8 +120,8 @@ class KeptVersions:
         core, source = self._core, rec.buffer
         if source is None:
             return None
-        for tier in (Tier.HOST, Tier.DEVICE) if core._zero_copy else (Tier.HOST,):
-            pool = core._mem[tier]
+        for tier in (Tier.HOST, Tier.DEVICE) if core.zero_copy else (Tier.HOST,):
+            pool = core.mem[tier]
             if pool.available() - round_up(rec.nbytes) < pool.budget // 2:  # room the working set needs
                 continue
             copy = pool.try_acquire(rec.nbytes)
@@ -130,6 +130,6 @@ class KeptVersions:
             if isinstance(source, HostBuffer):
                 copy.tensor[: rec.nbytes].copy_(source.tensor[: rec.nbytes])
             else:
-                core._cuda.to_host(source, copy, rec.nbytes)
+                core.cuda.to_host(source, copy, rec.nbytes)
             return tier, copy
         return None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from typing import Any
 
+from outcore.offload.handle import Handle
 from outcore.offload.residency import STABLE, KeyRecord, Tier
 
 
@@ -25,7 +26,7 @@ class PrefetchQueue:
     def clear(self) -> None:
         self._queue.clear()
 
-    def pump(self, records: dict[str, KeyRecord], start: Callable[[KeyRecord, Tier], Future],
+    def pump(self, records: dict[str, KeyRecord], start: Callable[[KeyRecord, Tier], Handle[Any]],
              landed: Callable[[int], None]) -> None:
         """Start queued requests while in-flight bytes stay under the limit (one always may start).
 
@@ -57,14 +58,14 @@ class PrefetchQueue:
                 if self.inflight and self.inflight + rec.nbytes > self.limit:
                     return
                 self._queue.popleft()
-                future = start(rec, tier)
-                if not future.done():  # a zero-copy hand-over lands at once and holds nothing in flight
+                handle = start(rec, tier)
+                if not handle.done():  # a zero-copy hand-over lands at once and holds nothing in flight
                     self.inflight += rec.nbytes
-                    future.add_done_callback(_call_with(landed, rec.nbytes))
+                    handle.add_done_callback(_call_with(landed, rec.nbytes))
         finally:
             self._queue.extendleft(reversed(waiting))
 
 
-def _call_with(landed: Callable[[int], None], nbytes: int) -> Callable[[Future], None]:
+def _call_with(landed: Callable[[int], None], nbytes: int) -> Callable[[Handle[Any]], None]:
     """A done-callback that reports `nbytes` landed (bound now, not when the move ends)."""
-    return lambda _future: landed(nbytes)
+    return lambda _handle: landed(nbytes)

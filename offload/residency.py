@@ -12,9 +12,10 @@ only along `LEGAL`.
 from __future__ import annotations
 
 import enum
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from outcore.offload.handle import Handle
 
 if TYPE_CHECKING:  # the tiers are torch-free, for the command line's torch-free paths
     import torch
@@ -59,11 +60,12 @@ LEGAL: dict[Residency, frozenset[Residency]] = {
 
 @dataclass(slots=True, eq=False)
 class Move:
-    """One move in flight; fetches of the same key to the same tier join its future."""
+    """One move in flight; fetches of the same key to the same tier join its handle."""
 
     source: Residency
     target: Tier
-    future: Future = field(default_factory=Future)  # -> torch.Tensor (None for moves to NVME)
+    # the key's tensor in the target memory tier (None for a move to NVME)
+    handle: Handle[Any] = field(default_factory=Handle)
     by_prefetch: bool = False
 
 

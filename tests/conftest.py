@@ -38,7 +38,7 @@ def make_store(tmp_path):
     yield make
     for s in stores:
         s.close()
-        assert not os.path.exists(s._swap.path), "swap file left behind"
+        assert not os.path.exists(s.state.swap.path), "swap file left behind"
 
 
 @pytest.fixture(autouse=True)

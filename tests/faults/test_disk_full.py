@@ -75,7 +75,7 @@ def test_failed_write_backs_keep_their_bytes_and_close_still_ends_clean(make_sto
     for i in range(4):
         assert torch.equal(store.fetch(f"k{i}", outcore.Tier.HOST).result(), torch.full((1024,), i + 10.0))
         store.release(f"k{i}")
-    swap = store._swap.path
+    swap = store.state.swap.path
     store.close()  # nothing to raise: the swap file goes, and the bytes were never lost
     assert not os.path.exists(swap)
 
@@ -88,7 +88,7 @@ def test_a_store_that_keeps_its_files_reports_a_failed_write(make_store, monkeyp
     store.put("k", torch.ones(1024), outcore.Tier.NVME)
     with pytest.raises(outcore.StorageFullError):
         store.close(keep_files=True)
-    os.unlink(store._swap.path)  # kept, as asked
+    os.unlink(store.state.swap.path)  # kept, as asked
 
 
 SAVES = textwrap.dedent("""

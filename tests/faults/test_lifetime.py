@@ -115,7 +115,7 @@ import os, sys, outcore
 from tests.runtime.models import TinyGPT, batches
 cfg = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu")  # no nvme_dir: a scratch folder
 engine = outcore.Engine(TinyGPT(), cfg, outcore.AdamW(lr=1e-3))
-scratch = os.path.dirname(engine.store._swap.path)
+scratch = os.path.dirname(engine.store.state.swap.path)
 pid = os.fork()
 if pid == 0:
     sys.exit(0)  # a normal exit: atexit and the thread-exit hooks run in the child
@@ -209,7 +209,7 @@ def test_a_corrupt_parameter_read_in_forward_is_the_same_error_each_time(tmp_pat
     engine.backward(engine(x, y))
     engine.step()
     engine.synchronize()
-    swap = engine.store._swap
+    swap = engine.store.state.swap
     keys = [u.param_key for u in engine.units]
     for key in keys:
         engine.store.evict(key).wait()  # every unit's parameters are read back from the file

@@ -12,7 +12,7 @@ from outcore.offload import OutOfBudgetError, StorageCorruptError, StorageError,
 
 def _offset_of(store, key):
     store.flush()
-    return json.loads(open(store._swap.index_path).read())["keys"][key]["offset"]
+    return json.loads(open(store.state.swap.index_path).read())["keys"][key]["offset"]
 
 
 def test_corrupt_swap_bytes_raise_naming_the_key(make_store):
@@ -20,7 +20,7 @@ def test_corrupt_swap_bytes_raise_naming_the_key(make_store):
     store.put("good", torch.randn(3000), Tier.NVME)
     store.put("layer7.w", torch.randn(3000), Tier.NVME)
     off = _offset_of(store, "layer7.w")
-    with open(store._swap.path, "r+b") as f:
+    with open(store.state.swap.path, "r+b") as f:
         f.seek(off + 100)
         f.write(b"\xff\x00\xff")
     with pytest.raises(StorageCorruptError, match="layer7.w.*checksum mismatch"):
@@ -34,7 +34,7 @@ def test_a_fetch_now_that_fails_holds_no_pin(make_store):
     store = make_store()
     store.put("layer7.w", torch.randn(3000), Tier.NVME)
     off = _offset_of(store, "layer7.w")
-    with open(store._swap.path, "r+b") as f:
+    with open(store.state.swap.path, "r+b") as f:
         f.seek(off + 100)
         f.write(b"\xff\x00\xff")
     for _ in range(2):  # the second meets the same error, not a key still in use
@@ -50,7 +50,7 @@ def test_truncated_swap_file_raises_naming_the_key(make_store):
     store = make_store()
     store.put("a", torch.randn(3000), Tier.NVME)
     store.put("tail", torch.randn(3000), Tier.NVME)
-    os.truncate(store._swap.path, _offset_of(store, "tail") + 4096)
+    os.truncate(store.state.swap.path, _offset_of(store, "tail") + 4096)
     with pytest.raises(StorageCorruptError, match="tail.*truncated"):
         store.fetch("tail", Tier.DEVICE).result()
     store.release("tail")

@@ -39,7 +39,7 @@ def test_in_flight_prefetch_bytes_stay_bounded(make_store):
 
     def watch():
         while not stop.is_set():
-            seen.append(store._prefetch.inflight)
+            seen.append(store.state.prefetch.inflight)
 
     w = threading.Thread(target=watch)
     w.start()
@@ -178,7 +178,7 @@ def test_a_prefetch_never_takes_room_a_waiting_fetch_needs(make_store, held_writ
     held_writes.hold()
     big = store.fetch("big", Tier.HOST)  # one slot free, one on its way out ("dirty" is written)
     assert held_writes.writing.wait(10)
-    wait_until(lambda: store._demand_waiting[Tier.HOST] == 1)
+    wait_until(lambda: store.state.demand_waiting[Tier.HOST] == 1)
     store.prefetch(["small"], Tier.HOST)  # fits in the free slot, but that slot is the fetch's
     wait_until(lambda: store.stats()["prefetch_dropped"] == 1)
     held_writes.release()

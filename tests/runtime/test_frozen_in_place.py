@@ -69,7 +69,7 @@ def test_a_lora_base_read_in_place_trains_as_the_copied_base_and_peft_and_its_fi
     s = engine.stats()
     # The swap file holds what trains (the adapters' states and parameters), none of the base.
     assert s["nvme"]["bytes"] < frozen_bytes / 2
-    assert not any(engine.store._swap.entry(key) for key in frozen_keys(engine))
+    assert not any(engine.store.state.swap.entry(key) for key in frozen_keys(engine))
     for key in frozen_keys(engine):  # each read back from the weights files once evicted
         engine.store.evict(key, Tier.NVME).wait()
     engine.save_checkpoint(str(tmp_path / "ckpt"), "a")
