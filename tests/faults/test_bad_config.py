@@ -163,5 +163,18 @@ def test_a_seed_out_of_range_is_refused_before_anything_is_built(seed, error, wo
 
 
 def test_the_largest_seed_trains():
-    engine = outcore.Engine(torch.nn.Sequential(torch.nn.Linear(8, 8)), Config(), seed=2**32 - 1)
+    def start() -> outcore.Engine:
+        torch.manual_seed(0)  # the model's own init; the engine's seed is the one under test
+        return outcore.Engine(torch.nn.Sequential(torch.nn.Linear(8, 8)), Config(), seed=2**32 - 1)
+
+    engine, again = start(), start()
+    before = engine.full_state_dict()
+    assert all(torch.equal(v, again.full_state_dict()[k]) for k, v in before.items())  # the seed reproduces
+    again.close()
+    x = torch.randn(4, 8)
+    engine.backward(engine(x).square().mean())
+    stats = engine.step()
+    after = engine.full_state_dict()
     engine.close()
+    assert stats["skipped"] is False and engine.global_step == 1
+    assert all(not torch.equal(before[k], after[k]) for k in before)  # every parameter moved

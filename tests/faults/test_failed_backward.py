@@ -12,28 +12,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
+from helpers import InBackward, raising  # noqa: E402
 from launch import free_port  # noqa: E402
 from models import TinyGPT, batches  # noqa: E402
 
 import outcore  # noqa: E402
 
 
-class Raise(torch.autograd.Function):
-    """The identity in forward; `error` raised in backward."""
-
-    @staticmethod
-    def forward(ctx, x, error):
-        ctx.error = error
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ctx.error
-
-
 def failing_after(block: torch.nn.Module, error: BaseException):
     """A hook that puts a node raising `error` in backward after `block` in forward; remove it after."""
-    return block.register_forward_hook(lambda _module, _args, out: Raise.apply(out, error))
+    return block.register_forward_hook(lambda _module, _args, out: InBackward.apply(out, raising(error)))
 
 
 def engine_for(tmp_path, offload: str, **config) -> tuple[outcore.Engine, TinyGPT]:
@@ -200,7 +188,7 @@ import json, os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from models import TinyGPT, batches
 import outcore
-from test_failed_backward import Raise
+from helpers import InBackward, raising
 torch.manual_seed(0)
 model = TinyGPT()
 engine = outcore.Engine(model, outcore.Config(stage=int(sys.argv[3]), collective_timeout=20.0, grad_clip=None))
@@ -210,7 +198,8 @@ for i, (x, y) in enumerate(batches(3)):
     part = slice(rank * 2, rank * 2 + 2)
     hook = None
     if i == 1 and rank == 1:
-        hook = model.blocks[1].register_forward_hook(lambda m, a, out: Raise.apply(out, ValueError("boom")))
+        boom = raising(ValueError("boom"))
+        hook = model.blocks[1].register_forward_hook(lambda m, a, out: InBackward.apply(out, boom))
     loss = engine(x[part], y[part])
     started = time.monotonic()
     try:

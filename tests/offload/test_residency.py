@@ -38,10 +38,25 @@ def record(state: Residency) -> KeyRecord:
     return KeyRecord("k", 4, torch.float32, (1,), state)
 
 
+R = Residency
+# The design's moves, written out here rather than read from LEGAL: a wrong table fails.
+DESIGNED = {
+    (R.NVME, R.TO_HOST), (R.NVME, R.TO_DEVICE),  # read from the swap file
+    (R.HOST, R.TO_DEVICE), (R.HOST, R.TO_NVME),  # promoted; written back
+    (R.DEVICE, R.TO_HOST), (R.DEVICE, R.TO_NVME),  # demoted; written back
+    (R.HOST, R.NVME), (R.DEVICE, R.NVME),  # a clean copy dropped
+    (R.HOST, R.DEVICE), (R.DEVICE, R.HOST),  # a CPU-only hand-over: one RAM, two budgets
+    (R.TO_HOST, R.HOST), (R.TO_DEVICE, R.DEVICE), (R.TO_NVME, R.NVME),  # landed
+    (R.TO_HOST, R.NVME), (R.TO_HOST, R.DEVICE),  # failed: back where it started
+    (R.TO_DEVICE, R.NVME), (R.TO_DEVICE, R.HOST),
+    (R.TO_NVME, R.HOST), (R.TO_NVME, R.DEVICE),
+}
+
+
 @pytest.mark.parametrize(("start", "end"), list(itertools.product(Residency, Residency)))
-def test_the_record_changes_state_only_along_the_table(start, end):
+def test_the_record_changes_state_only_along_the_designed_moves(start, end):
     rec = record(start)
-    if end in LEGAL[start]:
+    if (start, end) in DESIGNED:
         rec.to(end)
         assert rec.state is end
     else:

@@ -88,3 +88,23 @@ def engine_kwargs_steps(engine, batches):
         engine.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+class InBackward(torch.autograd.Function):
+    """The identity in forward; in backward, what `effect` makes of the gradient (it may raise)."""
+
+    @staticmethod
+    def forward(ctx, x, effect):
+        ctx.effect = effect
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.effect(grad), None
+
+
+def raising(error: BaseException):
+    """An `InBackward` effect that raises `error`."""
+    def effect(_grad):
+        raise error
+    return effect

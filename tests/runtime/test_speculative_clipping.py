@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import HP, assert_losses_match, train_engine, train_plain, twins
+from helpers import HP, InBackward, assert_losses_match, train_engine, train_plain, twins
 from models import TinyGPT, batches
 
 import outcore
@@ -106,26 +106,13 @@ def test_a_step_that_never_clips_is_bit_for_bit_the_unclipped_one(tmp_path):
     unclipped.close()
 
 
-class Backward(torch.autograd.Function):
-    """The identity in forward; in backward, what `effect` makes of the gradient (it may raise)."""
-
-    @staticmethod
-    def forward(ctx, x, effect):
-        ctx.effect = effect
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.effect(grad), None
-
-
 def injected(_grad):
     raise ValueError("injected")
 
 
 def on_output_of(block, effect):
     """A hook on `block`'s output: its input gets `effect`'s gradient in backward."""
-    return block.register_forward_hook(lambda _m, _a, out: Backward.apply(out, effect))
+    return block.register_forward_hook(lambda _m, _a, out: InBackward.apply(out, effect))
 
 
 def after_two_steps(tmp_path, n, **more):

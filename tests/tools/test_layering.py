@@ -36,6 +36,8 @@ def test_no_package_imports_a_higher_layer():
 
 def test_there_is_no_import_circle():
     graph = imports()
+    # the graph is the package's real one (an empty one would pass)
+    assert len(graph) > 80 and "outcore.offload.mover" in graph.get("outcore.offload.store", ())
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m: str, path: list[str]) -> None:
