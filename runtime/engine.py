@@ -37,7 +37,7 @@ from outcore.offload.exit_close import close_at_exit, forget
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
-from outcore.runtime.engine_start import check_arguments, lay_out_states, open_store, shapes_of
+from outcore.runtime.engine_start import check_arguments, check_pretrained, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
@@ -48,7 +48,7 @@ from outcore.runtime.model_family import family_of
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.sharded_model import AnchorParameter, ShardedModel
+from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
@@ -101,11 +101,6 @@ class Engine:
         self.scaler = LossScaler(config.dtype == "fp16")
         self.trace = Trace(config.prefetch_depth)
         self.global_step = 0
-        if any(isinstance(p, AnchorParameter) for p in model.parameters()):
-            raise ValueError(f"this {type(model).__name__} is already wrapped by an outcore Engine: its parameters "
-                             "are in that engine's store (gone with it once closed). Keep using that engine, or "
-                             "build the model again; a saved run comes back with load_checkpoint, an export with "
-                             "weights=.")
         state_dict_keys = list(model.state_dict(keep_vars=True).keys())
 
         self.family = family_of(model)  # what the engine asks of the model beyond nn.Module
@@ -113,12 +108,7 @@ class Engine:
         plans = plan_units(model, config.unit_classes, in_root=self.family.read_outside_forward())
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
-        pretrained = PretrainedWeights(os.fspath(weights), self.family) if weights is not None else None
-        adapters = self.family.has_adapters()  # trainable parameters missing from the files are its adapters
-        if pretrained is not None:  # every name and shape checked before anything is written
-            pretrained.check([s for p in plans for s in p.slots], new=lambda slot: adapters and not slot.frozen)
-            if os.path.isdir(pretrained.path):
-                self.family.read_settings(pretrained.path)
+        pretrained = check_pretrained(None if weights is None else os.fspath(weights), self.family, plans)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         self.store, self.place, read_ahead, self._owned_dir = open_store(
             config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy),

@@ -10,6 +10,7 @@ dropped), and only then wires its hooks.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,6 +34,7 @@ from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
+from outcore.runtime.sharded_model import AnchorParameter
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,24 @@ def check_arguments(model: Any, config: Any, optimizer: Any, seed: Any) -> None:
         raise TypeError(f"Engine(..., seed=...): the seed given ({_kind(seed)}) is not an int.")
     if seed not in SEEDS:
         raise ValueError(f"Engine(..., seed={seed}): a seed is a whole number from 0 to 2**32 - 1.")
+    if any(isinstance(p, AnchorParameter) for p in model.parameters()):
+        raise ValueError(f"this {type(model).__name__} is already wrapped by an outcore Engine: its parameters "
+                         "are in that engine's store (gone with it once closed). Keep using that engine, or "
+                         "build the model again; a saved run comes back with load_checkpoint, an export with "
+                         "weights=.")
+
+
+def check_pretrained(weights: str | None, family: ModelFamily, plans: list[UnitPlan]) -> PretrainedWeights | None:
+    """The weights `weights` names (None: none), every name and shape checked against the units'
+    parameters before anything is written; a directory's generation settings read."""
+    if weights is None:
+        return None
+    pretrained = PretrainedWeights(weights, family)
+    adapters = family.has_adapters()  # trainable parameters missing from the files are its adapters
+    pretrained.check([s for p in plans for s in p.slots], new=lambda slot: adapters and not slot.frozen)
+    if os.path.isdir(pretrained.path):
+        family.read_settings(pretrained.path)
+    return pretrained
 
 
 def _kind(value: Any) -> str:
