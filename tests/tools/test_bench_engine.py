@@ -44,3 +44,13 @@ def test_a_json_that_cannot_be_written_stops_a_benchmark_before_it_runs(tmp_path
         module.main([*argv, "--json", "taken"])
     assert e.value.code == 2 and "--json" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_the_store_alone_evicts_writes_back_and_reads_again_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "nvme").mkdir()
+    result = bench_engine.run_store(str(tmp_path / "nvme"), keys=16, rounds=4)
+    assert result["seconds"] > 0 and result["fetches"] == 32
+    assert result["writebacks"] > 0 and result["bytes_read"] >= 16 << 20  # keys evicted, written and read back
+    assert bench_engine.main(["store", "--dir", str(tmp_path / "nvme"), "--repeats", "1"]) == 0
+    assert "320 fetches changed and written back" in capsys.readouterr().out
+    assert not list((tmp_path / "nvme").iterdir())  # the swap folders are gone
