@@ -1,4 +1,4 @@
-"""The GPU kit: what a GPU owner runs once, in under 10 minutes, to check outcore on their machine.
+"""The GPU kit: what a GPU owner runs once, in about 15 minutes, to check outcore on their machine.
 
     python -m outcore.tools.gpu_check [--out gpu_check.json] [--nvme-dir DIR] [--quick]
 
@@ -11,7 +11,10 @@
    fio's, where installed), what the NVMe run's bytes per step are measured against;
 5. throughput: tokens/s, model TFLOPS and MFU (against the dense bf16 matmul rate measured here)
    for a GPT of about 1.3B parameters with parameters and optimizer states on NVMe, and for the
-   largest preset whose states fit this machine's memory.
+   largest preset whose states fit this machine's memory;
+6. real shapes (not with --quick): a Llama-8B-shaped full fine-tune and a Qwen-14B-shaped LoRA with
+   its base on NVMe under a 16 GiB device budget, each beside the step estimate's prediction
+   (tools/gpu_shapes.py).
 Everything goes into one JSON file, written again after each part: a part that fails is recorded
 there (its error and traceback) and the kit goes on with the next, since the first run on a new
 machine is when things break and the JSON is what comes back. On a machine without CUDA it says
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from outcore.tools.gpu_shapes import SHAPES, deepspeed_note
 from outcore.tools.report import check_json_argument
 from outcore.tools.units import human_bytes, human_count
 
@@ -232,6 +236,24 @@ def throughput(device: torch.device, preset: str, nvme_dir: str, *, offload: str
             "io_busy_seconds": stats["io_busy_seconds"]}
 
 
+def shape_row(row: str, nvme_dir: str, *, peak: float, disk: dict, overlap: dict | None, batch: int = 1,
+              seq: int = 2048, steps: int = 2, timeout: float = 420) -> dict:
+    """One real-shape row (tools/gpu_shapes.py) in a process of its own, with the rates this kit
+    measured (the compute rate on the row's own width)."""
+    from outcore.tools import step_estimate as se
+
+    width = SHAPES[row].config["hidden_size"]
+    rates = {"disk_read": disk["read_GBps"] * 1e9, "disk_write": disk["write_GBps"] * 1e9,
+             "flops": se.measure_flops("cuda", "bf16", tokens=batch * seq, d_model=width), "adam": se.measure_adam(),
+             "host_device": (overlap or {}).get("copy_GBps", 25.0) * 1e9, "peak_flops": peak}
+    spec = {"device": "cuda", "nvme_dir": nvme_dir, "rates": rates, "batch": batch, "seq": seq, "steps": steps}
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.gpu_shapes", row, json.dumps(spec)],
+                         capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{row} failed: {res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -252,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", "--out", dest="out", metavar="PATH", default="gpu_check.json",
                    help="the one JSON file of every result, written as each part ends (default: gpu_check.json)")
     p.add_argument("--nvme-dir", default=".", help="where the NVMe runs put their swap files")
-    p.add_argument("--quick", action="store_true", help="fewer steps, the 1.3B run only")
+    p.add_argument("--quick", action="store_true", help="fewer steps, the 1.3B run only, no real shapes")
     args = p.parse_args(argv)
     check_json_argument(p, args.out)
     result: dict[str, Any] = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
@@ -301,6 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {preset} ({human_count(r['params'])}, states on {offload}): {r['tokens_per_s']:,.0f} tok/s, "
               f"{r['model_TFLOPS']:.1f} TFLOPS, MFU {r['MFU']:.1%}, GPU peak "
               f"{human_bytes(r['gpu_peak_allocated_bytes'])}", flush=True)
+    result["shapes"] = {"deepspeed_zero3": deepspeed_note()}
+    for row in SHAPES if peak is not None and io is not None and not args.quick else []:
+        work = functools.partial(shape_row, row, args.nvme_dir, peak=peak * 1e12, disk=io, overlap=overlap)
+        r = part(row, work, into=result["shapes"])
+        if r is not None:
+            predicted = r["predicted"]
+            print(f"  {row} (K={r['accumulate']} x {r['batch']} x {r['seq']}): {r['tokens_per_s']:,.0f} tok/s, MFU "
+                  f"{r['MFU']:.1%}, host RSS {human_bytes(r['peak_host_rss_bytes'])}, "
+                  f"{human_bytes(r['bytes_read_per_step'])} read a step; predicted "
+                  f"{predicted['tokens_per_s']:,.0f} tok/s, bound by {predicted['bound']}", flush=True)
     result["seconds"] = time.perf_counter() - t0
     result["ok"] = bool(not result.get("errors") and (tests or {}).get("ok", True)
                         and all(r["ok"] for r in rows or []) and (overlap or {}).get("ok", False))

@@ -76,13 +76,25 @@ def test_a_part_that_fails_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch
 
     monkeypatch.setattr(gpu_check, "throughput", throughput)
     monkeypatch.setattr(gpu_check, "largest_fitting", lambda memory: "gpt-3b")
+
+    def shape_row(row, nvme_dir, *, peak, disk, overlap):
+        assert peak == 900e12 and disk["read_GBps"] == 3.0 and overlap["copy_GBps"] == 25.0  # the kit's rates
+        if row == "qwen-14b-lora":
+            raise RuntimeError("qwen-14b-lora failed: out of NVMe")
+        return {"row": row, "accumulate": 8, "batch": 1, "seq": 2048, "tokens_per_s": 5000.0, "MFU": 0.3,
+                "peak_host_rss_bytes": 1 << 30, "bytes_read_per_step": 0,
+                "predicted": {"tokens_per_s": 5500.0, "bound": "compute"}}
+
+    monkeypatch.setattr(gpu_check, "shape_row", shape_row)
     assert gpu_check.main(["--out", str(out), "--nvme-dir", str(tmp_path / "nvme")]) == 1
     got = json.loads(out.read_text())
     assert got["cuda_tests"]["ok"] and got["overlap"]["ok"] and got["ok"] is False
-    assert set(got["errors"]) == {"parity", "gpt-1b"}
+    assert set(got["errors"]) == {"parity", "gpt-1b", "qwen-14b-lora"}
     assert "illegal memory access" in got["errors"]["parity"]["error"]
     assert "MemoryError" in got["errors"]["gpt-1b"]["traceback"]
     assert seen == ["gpt-1b", "gpt-3b"] and list(got["throughput"]) == ["gpt-3b"]
+    assert got["shapes"]["llama-8b-full"]["accumulate"] == 8 and "qwen-14b-lora" not in got["shapes"]
+    assert got["shapes"]["deepspeed_zero3"].startswith("not run: ")
 
 
 def test_cuda_tests_that_hang_are_a_failed_part_not_a_lost_run(monkeypatch):

@@ -1,0 +1,179 @@
+"""The GPU kit's real model shapes: a Llama-8B-shaped full fine-tune and a Qwen-14B-shaped LoRA.
+
+Each model is built from its architecture's config with random weights (nothing is downloaded) and
+trained a few steps, in a process of its own so that its peak host RSS is its own:
+- `llama-8b-full`: every parameter trained, bf16 compute, parameters on the GPU, the optimizer on
+  the CPU with its states in bf16 (`Config.state_dtype`), the model's own activation checkpointing,
+  and the accumulation at which the step estimate says compute bounds the step (at most
+  `MAX_ACCUMULATION`, to keep the kit short);
+- `qwen-14b-lora`: LoRA r=16 on every projection, the frozen base on NVMe, the adapters' optimizer
+  on the CPU, under a 16 GiB device budget (a consumer card's), activation checkpointing.
+Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
+prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
+
+    python -m outcore.tools.gpu_shapes ROW SPEC_JSON   (one row, in this process; the kit runs it)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+MAX_ACCUMULATION = 16
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One row: an architecture's config, and how it is trained."""
+
+    architecture: str  # "llama" or "qwen2"
+    config: dict[str, int]
+    lora: int | None  # adapter rank; None: a full fine-tune
+    offload_params: str
+    device_budget: int | None
+
+
+SHAPES = {
+    "llama-8b-full": ModelShape("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                           lora=None, offload_params="none", device_budget=None),
+    "qwen-14b-lora": ModelShape("qwen2", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064),
+                           lora=16, offload_params="nvme", device_budget=16 << 30),
+}
+
+
+def build(shape: ModelShape, overrides: dict[str, int] | None = None) -> tuple[torch.nn.Module, Any]:
+    """The model on the meta device (the engine materializes it unit by unit), checkpointing on,
+    and the architecture's own initialization of a module, random as from_config's."""
+    import transformers
+
+    from outcore.hf.model_info import hf_checkpointing
+    from outcore.runtime.materialize import deferred_init
+
+    kind = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[shape.architecture]
+    config = kind(**{**shape.config, **(overrides or {})}, max_position_embeddings=8192, tie_word_embeddings=False)
+    with deferred_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    enable = hf_checkpointing(model)
+    assert enable is not None
+    enable()
+    init = model._init_weights
+    if shape.lora is not None:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=shape.lora, lora_alpha=2 * shape.lora,
+                                                           target_modules=PROJECTIONS, lora_dropout=0.0))
+    return model, init
+
+
+def config_of(shape: ModelShape, nvme_dir: str, accumulate: int) -> Any:
+    from outcore import runtime
+
+    return runtime.Config(stage=3, offload_params=shape.offload_params, offload_optimizer="cpu", nvme_dir=nvme_dir,
+                          dtype="bf16", state_dtype="bf16", grad_clip=1.0, grad_accumulation=accumulate,
+                          device_budget=shape.device_budget)
+
+
+def predict(model: torch.nn.Module, shape: ModelShape, rates: Any, *, tokens: int, device_type: str,
+            accumulate: int | None) -> tuple[Any, int, Any]:
+    """The step estimate of this row: (its StepShape, the accumulation to run, the StepTime at it).
+    `accumulate` None: the smallest at which compute bounds the step, at most MAX_ACCUMULATION."""
+    from outcore.runtime.memory_plan import plan_memory, unit_shapes
+    from outcore.runtime.policy import StatePolicy
+    from outcore.tools import step_estimate as se
+    from outcore.tools.model_source import unit_layout
+
+    units, layout = unit_layout(model)
+    frozen = layout.get("frozen") or [False] * len(units)
+
+    def step_shape(k: int) -> se.StepShape:
+        policy = StatePolicy.of(config_of(shape, ".", k), world=1, device_type=device_type)
+        plan = plan_memory(unit_shapes(units, policy, frozen=frozen, roots=layout.get("roots"),
+                                       modules=layout.get("modules"), outer=layout.get("outer")), policy)
+        device_budget, host_budget = plan.budgets(shape.device_budget, None, psutil.virtual_memory().available)
+        return se.shape_of(units, frozen, plan, policy, tokens=tokens, device_budget=device_budget,
+                           host_budget=host_budget, checkpointing=True)
+
+    if accumulate is None:
+        accumulate = min(se.compute_bound_accumulation(step_shape(1), rates, MAX_ACCUMULATION) or MAX_ACCUMULATION,
+                         MAX_ACCUMULATION)
+    at = step_shape(accumulate)
+    return at, accumulate, se.predict_step(at, rates, accumulate)
+
+
+def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, seq: int, steps: int,
+            accumulate: int | None = None, overrides: dict[str, int] | None = None) -> dict:
+    """Train row `name` for a warm-up step and `steps` timed ones; its figures beside the prediction."""
+    from outcore import runtime
+    from outcore.tools import step_estimate as se
+    from outcore.tools.report import peak_rss
+
+    shape = SHAPES[name]
+    model, init = build(shape, overrides)
+    vocab = int((overrides or {}).get("vocab_size", shape.config["vocab_size"]))
+    machine = se.Rates(**rates)
+    at, accumulate, predicted = predict(model, shape, machine, tokens=batch * seq,
+                                        device_type=torch.device(device).type, accumulate=accumulate)
+    with tempfile.TemporaryDirectory(dir=nvme_dir) as d:
+        engine = runtime.Engine(model, config_of(shape, d, accumulate), runtime.AdamW(lr=1e-5), device=device,
+                                init_fn=init)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            times, before = [], engine.stats()
+            first = before
+            for step in range(steps + 1):
+                _synchronize(engine.device)
+                t0 = time.perf_counter()
+                for _ in range(accumulate):
+                    x = torch.randint(0, vocab, (batch, seq), generator=gen).to(engine.device)
+                    engine.backward(engine(input_ids=x, labels=x, use_cache=False).loss)
+                engine.step()
+                engine.synchronize()
+                _synchronize(engine.device)
+                if step == 0:
+                    first = engine.stats()  # the warm-up step records the unit order
+                else:
+                    times.append(time.perf_counter() - t0)
+            last = engine.stats()
+        finally:
+            engine.close()
+    step_s = sorted(times)[len(times) // 2]
+    flops = se.step_flops(at, accumulate)
+    return {"row": name, "params": at.params, "trained": at.trained, "batch": batch, "seq": seq,
+            "accumulate": accumulate, "step_s": step_s, "tokens_per_s": batch * seq * accumulate / step_s,
+            "model_TFLOPS": flops / step_s / 1e12,
+            "MFU": flops / step_s / machine.peak_flops if machine.peak_flops else None,
+            "peak_host_rss_bytes": peak_rss(),
+            "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+            "bytes_read_per_step": (last["bytes_read"] - first["bytes_read"]) / steps,
+            "bytes_written_per_step": (last["bytes_written"] - first["bytes_written"]) / steps,
+            "predicted": predicted.as_dict(machine.peak_flops), "rates": dataclasses.asdict(machine)}
+
+
+def deepspeed_note() -> str:
+    """DeepSpeed ZeRO-3 beside these rows: what stands in its place here."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import is the answer
+        return f"not run: deepspeed does not import here ({type(e).__name__}: {e})"
+    return "not run: the kit's DeepSpeed run (tools/bench_peers.py) trains outcore's GPT presets only"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    row, spec = sys.argv[1], json.loads(sys.argv[2])
+    print(json.dumps(run_row(row, **spec)))
