@@ -48,8 +48,8 @@ class SweepPruner:
         units, layout = source_layout(source)
         seq = seq or (source.gpt.seq if source.gpt is not None else 128)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        read, write = se.measure_disk(base.nvme_dir) if base.nvme_dir else (float("inf"), float("inf"))
-        flops = se.measure_flops(device_type, base.dtype, tokens=batch * seq)
+        read, write = se.measure_disk(base.nvme_dir, 64 << 20) if base.nvme_dir else (float("inf"), float("inf"))
+        flops = se.measure_flops(device_type, base.dtype, tokens=batch * seq, seconds=1.0)
         cpu = device_type == "cpu"
         rates = se.Rates(disk_read=read, disk_write=write, flops=flops, adam=se.measure_adam(),
                          host_device=None if cpu else 25e9, checksum=se.measure_checksum() if cpu else None)

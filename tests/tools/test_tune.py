@@ -120,6 +120,7 @@ def test_a_winner_within_the_given_configs_spread_is_not_written(tmp_path, monke
     argv = ["tune", "--config", "run.json", "--prefetch-depth", "1,4", "--out", "tuned.json", "--json", "t.json"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
+    assert "measuring this machine's rates to predict which candidates can matter" in printed
     assert "nothing beat the config as given beyond its own spread: no config written" in printed
     assert "0.950x, the given config's own spread 20.0%" in printed
     assert not (tmp_path / "tuned.json").exists()
@@ -134,7 +135,8 @@ def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path, capsys):
     with pytest.raises(ValueError, match="the config as given does not run: ValueError: host_budget=4,096"):
         tune(dataclasses.replace(base), "tiny", steps=1, sweep={"prefetch_depth": [1]})
     base.to_file(tmp_path / "small.json")
-    argv = ["tune", "--config", str(tmp_path / "small.json"), "--steps", "1", "--out", str(tmp_path / "t.json")]
+    argv = ["tune", "--config", str(tmp_path / "small.json"), "--steps", "1", "--no-prune",
+            "--out", str(tmp_path / "t.json")]
     assert main(argv) == 2  # the config's fault: a usage error, in one line
     err = capsys.readouterr().err.strip()
     assert "host_budget=4,096" in err and "\n" not in err and not (tmp_path / "t.json").exists()
@@ -178,7 +180,7 @@ def test_a_config_without_nvme_dir_is_tuned_in_a_scratch_folder_and_written_with
     monkeypatch.setattr(tune_module.Confirmation, "holds", property(lambda self: True))
     one = ["--prefetch-depth", "1", "--block-size", "1M", "--queue-depth", "32", "--threads", "4", "--nice", "15"]
     assert main(["tune", "--config", f"run.{ext}", "--steps", "1", "--seq", "32", *one, "--rounds", "1",
-                 "--out", f"tuned.{ext}", "--json", "tune.json"]) == 0
+                 "--no-prune", "--out", f"tuned.{ext}", "--json", "tune.json"]) == 0
     assert "NVMe tier in" in capsys.readouterr().out
     written = outcore.Config.file_values(tmp_path / f"tuned.{ext}")  # parsed as its suffix says
     assert written["prefetch_depth"] == 1
