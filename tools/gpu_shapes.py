@@ -88,21 +88,16 @@ def predict(model: torch.nn.Module, shape: ModelShape, rates: Any, *, tokens: in
             accumulate: int | None) -> tuple[Any, int, Any]:
     """The step estimate of this row: (its StepShape, the accumulation to run, the StepTime at it).
     `accumulate` None: the smallest at which compute bounds the step, at most MAX_ACCUMULATION."""
-    from outcore.runtime.memory_plan import plan_memory, unit_shapes
     from outcore.runtime.policy import StatePolicy
     from outcore.tools import step_estimate as se
     from outcore.tools.model_source import unit_layout
 
     units, layout = unit_layout(model)
-    frozen = layout.get("frozen") or [False] * len(units)
 
     def step_shape(k: int) -> se.StepShape:
         policy = StatePolicy.of(config_of(shape, ".", k), world=1, device_type=device_type)
-        plan = plan_memory(unit_shapes(units, policy, frozen=frozen, roots=layout.get("roots"),
-                                       modules=layout.get("modules"), outer=layout.get("outer")), policy)
-        device_budget, host_budget = plan.budgets(shape.device_budget, None, psutil.virtual_memory().available)
-        return se.shape_of(units, frozen, plan, policy, tokens=tokens, device_budget=device_budget,
-                           host_budget=host_budget, checkpointing=True)
+        return se.plan_shape(units, layout, policy, tokens=tokens, device_budget=shape.device_budget,
+                             host_budget=None, available=psutil.virtual_memory().available, checkpointing=True)[0]
 
     if accumulate is None:
         accumulate = min(se.compute_bound_accumulation(step_shape(1), rates, MAX_ACCUMULATION) or MAX_ACCUMULATION,

@@ -218,6 +218,23 @@ def shape_of(unit_numels: list[int], frozen: list[bool], plan: MemoryPlan, polic
                      vertical=vertical, grad_bytes=4 * (trained // world if sharded else trained))
 
 
+def plan_shape(units: list[int], layout: dict, policy: StatePolicy, *, tokens: int, device_budget: int | None,
+               host_budget: int | None, available: int, checkpointing: bool = False,
+               vertical: bool = False) -> tuple[StepShape, int, int]:
+    """The step of a model laid out as `unit_layout` gives it (`layout`: frozen units, roots, shared
+    and outer modules) under `policy`, with the budgets given or derived as the engine derives them
+    (ValueError where it would refuse them). Returns the step and the two budgets."""
+    from outcore.runtime.memory_plan import plan_memory, unit_shapes
+
+    frozen = layout.get("frozen") or [False] * len(units)
+    plan = plan_memory(unit_shapes(units, policy, frozen=frozen, roots=layout.get("roots"),
+                                   modules=layout.get("modules"), outer=layout.get("outer")), policy,
+                       frozen_in_files=bool(layout.get("frozen_in_files")))
+    device, host = plan.budgets(device_budget, host_budget, available)
+    return (shape_of(units, frozen, plan, policy, tokens=tokens, device_budget=device, host_budget=host,
+                     checkpointing=checkpointing, vertical=vertical), device, host)
+
+
 # -- rates measured on the spot --------------------------------------------------------------------
 
 def measure_flops(device: str, dtype: str, *, tokens: int = 2048, d_model: int = 2048, seconds: float = 2.0) -> float:

@@ -65,10 +65,10 @@ class SweepPruner:
 
     def predict(self, config: runtime.Config, rates: se.Rates | None = None) -> se.StepTime:
         """The step of `config`; ValueError where the engine would refuse its budgets."""
-        policy, frozen, plan = self.plan(config)
-        device_budget, host_budget = plan.budgets(config.device_budget, config.host_budget, self.available)
-        shape = se.shape_of(self.units, frozen, plan, policy, tokens=self.tokens, device_budget=device_budget,
-                            host_budget=host_budget)
+        policy = StatePolicy.of(config, world=1, device_type=self.device_type)
+        shape, _, _ = se.plan_shape(self.units, self.layout, policy, tokens=self.tokens,
+                                    device_budget=config.device_budget, host_budget=config.host_budget,
+                                    available=self.available)
         return se.predict_step(shape, rates or self.rates, config.grad_accumulation)
 
     def skip_io(self, config: runtime.Config) -> str | None:
