@@ -38,6 +38,7 @@ from torch import nn
 from outcore.hf.adapter_init import draw_as_peft
 from outcore.hf.model_info import hf_checkpointing, is_peft
 from outcore.hf.source import HFModel
+from outcore.hf.trainer_checkpoint import CHECKPOINT_SUBDIR, check_resumable, identity, new_run_id, write_identity
 from outcore.runtime.config import Config
 from outcore.runtime.engine import Engine
 from outcore.runtime.optimizer import AdamW
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 
 MIN_TRANSFORMERS = "5.25"  # the oldest release the Trainer integration is tested against (pyproject's hf extra)
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")  # the Trainer's names for torch's AdamW
-CHECKPOINT_SUBDIR = "outcore"  # checkpoint-N/outcore/: the engine's sharded checkpoint
 T = TypeVar("T", bound=type)
 
 
@@ -132,6 +132,7 @@ class OutcoreTrainerMixin:
                                  "checkpointing of its own; leave it False.")
             enable()
         self._resume_from: str | None = None
+        self._run_id = new_run_id()  # ties each checkpoint-N to this run (hf/trainer_checkpoint.py)
         self._last_stats: dict[str, Any] = {}
         self._pending: list[dict[str, Any]] = []
         super().__init__(model, args, *positional, **kwargs)  # type: ignore[call-arg]
@@ -233,10 +234,11 @@ class OutcoreTrainerMixin:
         """An HF directory (`from_pretrained` loads it) or, for a peft model, its adapters
         (`PeftModel.from_pretrained` loads them), with the tokenizer or processor beside. Every rank
         calls it (each gathers its shards); rank 0 writes. Inside a checkpoint folder a full model's
-        weights are not exported: `checkpoint-N/outcore/` holds them (`outcore export` writes them)."""
+        weights are not exported: `checkpoint-N/outcore/` holds them (`outcore export` writes them),
+        unless `save_only_model=True`, which leaves the engine's checkpoint out and exports the model."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         adapters = is_peft(self.model)
-        if adapters or not _internal_call:
+        if adapters or not _internal_call or self.args.save_only_model:
             self.engine.export(output_dir, adapters_only=adapters)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
@@ -245,17 +247,19 @@ class OutcoreTrainerMixin:
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        record = identity(self._run_id, self.state.global_step)  # type: ignore[attr-defined]
         self.engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR),
-                                    tag=f"global_step{self.engine.global_step}")
+                                    tag=f"global_step{self.engine.global_step}", client_state={"trainer": record})
+        if self.args.should_save:
+            write_identity(output_dir, record)
 
     def _save_scaler(self, output_dir: str) -> None:
         return None  # the engine's checkpoint keeps its loss scale
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Remembered here and loaded once the scheduler is built (`_prepare_for_training`)."""
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)):
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} holds no outcore checkpoint "
-                             f"({CHECKPOINT_SUBDIR}/); resume from a checkpoint-N folder an outcore trainer wrote.")
+        """Checked here (hf/trainer_checkpoint.py), and loaded once the scheduler is built
+        (`_prepare_for_training`); the run goes on under the checkpoint's run id."""
+        self._run_id = check_resumable(resume_from_checkpoint)
         self._resume_from = resume_from_checkpoint
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -137,11 +137,22 @@ class DirectoryLock:
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
+    def still_in_place(self) -> bool:
+        """Whether the lock file this lock holds is still the one at its path: another program may
+        have removed the folder it lies in (a rotation of old checkpoints, say)."""
+        if self._fd is None:
+            return False
+        try:
+            here, ours = os.stat(self.path, follow_symlinks=False), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (here.st_ino, here.st_dev) == (ours.st_ino, ours.st_dev)
+
     def release(self, *, remove: bool) -> None:
         if self._fd is None:
             return
-        if remove:
-            os.unlink(self.path)  # while still held: no other run can have taken it
+        if remove and self.still_in_place():  # while still held: no other run can have taken it
+            os.unlink(self.path)  # (a file already gone with its folder has nothing to remove)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

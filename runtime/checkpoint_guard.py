@@ -3,7 +3,8 @@
 - One writer at a time: rank 0 of the saving engine holds `.outcore-rank0.lock` (an `flock`, as
   nvme_dir's) from its first save into a directory until it saves into another one or closes. A
   second live run saving there meets one error naming the directory and the holder's pid; a dead
-  run's lock dies with it.
+  run's lock dies with it. A lock whose folder another program removed (a rotation of old
+  checkpoints) is let go quietly, and the next save there takes a new one.
 - A save replaces only what outcore wrote: the tag's folder if it is a checkpoint (it holds a
   meta.json), and `.<tag>.old`, the previous save of a tag kept until the new one is in place,
   if it holds only rank files and meta.json. Anything else under those names is the user's:
@@ -35,8 +36,8 @@ class WriterLock:
 
     def hold(self, directory: str) -> None:
         where = os.path.realpath(directory)
-        if self._held is not None and self._held[0] == where:
-            return
+        if self._held is not None and self._held[0] == where and self._held[1].still_in_place():
+            return  # (a folder removed and made again needs a new lock: the old one locks nothing now)
         lock = DirectoryLock(directory, 0, what="checkpoint directory", prefix=".outcore-")
         self.release()
         self._held = (where, lock)

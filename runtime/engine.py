@@ -423,12 +423,14 @@ class Engine:
                 h.remove()
             for unit in self.units:
                 unit.mark_closed()
-            self.sharded.writer_lock.release()
             try:
-                self.store.close()
+                self.sharded.writer_lock.release()
             finally:
-                if self._owned_dir is not None:
-                    self._owned_dir.remove()
+                try:
+                    self.store.close()  # whatever the lock's release met
+                finally:
+                    if self._owned_dir is not None:
+                        self._owned_dir.remove()
 
     # -- internals --------------------------------------------------------------------------------
 
