@@ -117,6 +117,8 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
             read = {f: stamp for u in sm.units if u.in_place is not None for f, stamp in u.in_place.stamps.items()}
             if read:
                 meta["weights_files"] = checksums(read)
+            if sm.base is not None:
+                meta["weights_source"] = sm.base.record()
             _publish(directory, tag, tmp, meta)
     except BaseException as e:
         if sm.group.rank == 0:
@@ -304,6 +306,19 @@ def _first_difference(saved: list[dict], built: list[dict]) -> str:
     return "the unit layouts differ"
 
 
+def _moved_base(meta: dict, moved: dict[str, str]) -> None:
+    """meta.json's references to the base's files, pointed at where they lie now (`moved`: old path
+    to new, of files found to hold the same bytes)."""
+    if not moved:
+        return
+    log.info("the base the checkpoint refers to moved to %s; its frozen units are read from there",
+             os.path.dirname(next(iter(moved.values()))))
+    for unit in meta["units"]:
+        for entry in unit.get("in_place") or ():
+            entry["file"] = moved.get(entry["file"], entry["file"])
+    meta["weights_files"] = {moved.get(f, f): v for f, v in (meta.get("weights_files") or {}).items()}
+
+
 def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) -> dict:
     """Restore the model states of a checkpoint written by `save_checkpoint` exactly, on any number
     of ranks (each reads its own new shard from whichever rank files hold it; see
@@ -313,6 +328,8 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     sm.updates.abandon()
     folder = find_checkpoint(directory, tag)
     meta = read_meta(folder)
+    if sm.base is not None and "weights_source" in meta:
+        _moved_base(meta, sm.base.moved_from(meta["weights_source"], f"checkpoint {folder!r}"))
     saved, built = _fits(meta.get("units") or []), _fits(_layout(sm))
     if saved != built:
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split: "

@@ -34,6 +34,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
+from outcore.runtime.base_files import base_files
 from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
@@ -122,7 +123,10 @@ class Engine:
         self.gradients = GradientPath(self.store, self.policy, self.place, self.group, self.scaler, self.updates,
                                       device=self.device, work_device=work_device)
         self.sharded = ShardedModel(model, self.units, self.store, self.place, self.group, self.updates,
-                                    state_dict_keys, self.family)
+                                    state_dict_keys, self.family,
+                                    base=None if pretrained is None else base_files(pretrained.path, pretrained.stamps))
+        if self.sharded.base is not None and self.group.rank == 0:
+            self.sharded.base.remember()  # the bytes each save's record is checked against
         self.lifecycle = UnitLifecycle(self.units, self.store, self.place, self.policy, self.trace, self.updates,
                                        self.gradients, self.sharded, self.scaler, self.schedule, self.group,
                                        self.device)

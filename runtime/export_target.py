@@ -16,7 +16,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from outcore.offload import StorageError
@@ -33,9 +33,16 @@ def is_one_file(out: str) -> bool:
     return out.endswith(".safetensors")
 
 
-def check_export_path(out: str) -> None:
-    """Refuse, before anything is read or written, an `out` the export cannot become."""
+def check_export_path(out: str, protected: Iterable[str] = ()) -> None:
+    """Refuse, before anything is read or written, an `out` the export cannot become, or one that
+    would replace or sit among `protected` files (the weights a run reads or its checkpoints refer
+    to, runtime/base_files.py): an export into a base's directory would replace its weights."""
     out = os.path.normpath(out)
+    where = os.path.realpath(out)
+    for path in protected:
+        if where in (os.path.realpath(path), os.path.realpath(os.path.dirname(path))):
+            raise ValueError(f"export {out!r} would write where {path!r} lies, which this run's weights are read "
+                             "from or its checkpoints refer to; export into another directory.")
     if is_one_file(out):
         if os.path.isdir(out):
             raise ValueError(f"export {out!r} is a directory; name a .safetensors file to write, or the "

@@ -21,7 +21,9 @@ from outcore.offload.file_source import FileSource, FileSpan, FileStamp, Weights
 log = logging.getLogger(__name__)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
-_checksums: dict[tuple[str, FileStamp], str] = {}  # a file's checksum, computed once per process and version
+# Each file version's checksum as this process first computed it: the reference a later reading of
+# its bytes must match (a file rewritten with its stamp put back keeps the stamp, not the bytes).
+_reference: dict[tuple[str, FileStamp], str] = {}
 
 
 @dataclass(frozen=True)
@@ -48,19 +50,28 @@ def spans_from_json(entries: list[dict], stamps: dict[str, FileStamp]) -> UnitSp
 
 
 def checksums(stamps: dict[str, FileStamp]) -> dict[str, dict]:
-    """Each file's size and checksum, as a checkpoint records them (each file read whole once per
-    process); WeightsFileChanged for a file that is not the one `stamps` says the run read."""
+    """Each file's size and checksum, as a checkpoint records them, computed from the bytes the file
+    holds now (each file read whole at every save); WeightsFileChanged for a file that is not the one
+    `stamps` says the run read, or whose bytes differ from those this process first checksummed."""
     out = {}
     for path, read in sorted(stamps.items()):
         stamp = FileStamp.of(path)
         why = read.differs(stamp)
+        now = "" if why is not None else _fresh(path, stamp)
+        if why is None and now != reference_checksum(path, stamp):
+            why = "its bytes differ from those read at the start, though its size and modification time do not"
         if why is not None:
             raise WeightsFileChanged(f"weights file {path!r} changed during the run ({why}): a checkpoint would refer "
                                      "to other weights than the ones trained with. Put the original file back, or "
                                      "start again from the last checkpoint.")
-        say = "checksumming %s (%.1f GB), read in place by the frozen units a checkpoint refers to"
-        out[path] = {"size": stamp.size, "checksum": _checksum(path, stamp, say)}
+        out[path] = {"size": stamp.size, "checksum": now}
     return out
+
+
+def remember_checksums(stamps: dict[str, FileStamp]) -> None:
+    """Checksum each file now, as the reference its later saves are held to (a run's start)."""
+    for path, stamp in sorted(stamps.items()):
+        reference_checksum(path, stamp)
 
 
 def verified_stamps(files: dict[str, dict], where: str) -> dict[str, FileStamp]:
@@ -74,8 +85,7 @@ def verified_stamps(files: dict[str, dict], where: str) -> dict[str, FileStamp]:
         except OSError as e:
             raise ValueError(f"{where} reads frozen parameters from weights file {path!r}, which cannot be read "
                              f"({e.strerror}): put the model's weights back there.") from e
-        ours = "" if stamp.size != recorded["size"] else _checksum(
-            path, stamp, "checking %s (%.1f GB) against its checksum in the checkpoint")
+        ours = "" if stamp.size != recorded["size"] else reference_checksum(path, stamp)
         algorithm = recorded["checksum"].split(":", 1)[0]
         if ours and ours.split(":", 1)[0] != algorithm:  # whichever the cache held: compared as computed
             raise ValueError(f"the checkpoint's checksum of {path!r} is {algorithm}, which this machine does not "
@@ -88,11 +98,14 @@ def verified_stamps(files: dict[str, dict], where: str) -> dict[str, FileStamp]:
     return stamps
 
 
-def _checksum(path: str, stamp: FileStamp, say: str) -> str:
-    """`file_checksum(path)`, computed once per process for each version (`stamp`) of the file;
-    `say` logs the read (with the path and its size in GB) when it happens."""
+def reference_checksum(path: str, stamp: FileStamp) -> str:
+    """`file_checksum(path)` as this process first computed it for this version (`stamp`) of the file."""
     key = (path, stamp)
-    if key not in _checksums:
-        log.info("weights: " + say, path, stamp.size / 1e9)
-        _checksums[key] = file_checksum(path)
-    return _checksums[key]
+    if key not in _reference:
+        _reference[key] = _fresh(path, stamp)
+    return _reference[key]
+
+
+def _fresh(path: str, stamp: FileStamp) -> str:
+    log.info("weights: checksumming %s (%.1f GB)", path, stamp.size / 1e9)
+    return file_checksum(path)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from outcore.offload import TieredStore
+from outcore.runtime.base_files import BaseFiles
 from outcore.runtime.checkpoint_guard import WriterLock
 from outcore.runtime.collectives import Group
 from outcore.runtime.flat_unit import FlatUnit
@@ -113,6 +114,7 @@ class ShardedModel:
     family: ModelFamily  # what the engine asks of the model beyond nn.Module (runtime/model_family.py)
     guard: StateDictGuard = field(default_factory=StateDictGuard)
     writer_lock: WriterLock = field(default_factory=WriterLock)  # the checkpoint directory it saves into
+    base: BaseFiles | None = None  # the weights files it started from (`weights=`), which checkpoints record
 
     @property
     def store_state_dtype(self) -> str:

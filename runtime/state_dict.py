@@ -68,6 +68,13 @@ def export_model(sm: ShardedModel, path: str, *, adapters_only: bool, merge_adap
     export(sm, path, max_shard_size=max_shard_size, save_config=sm.family.config_writer(), merge=merge)
 
 
+def protected_files(sm: ShardedModel) -> list[str]:
+    """The files an export must not replace: the base the engine started from, and those its frozen
+    units are read from (a checkpoint's, after a load)."""
+    read = {f for u in sm.units if u.in_place is not None for f in u.in_place.stamps}
+    return sorted(read | set(sm.base.stamps if sm.base is not None else ()))
+
+
 def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Callable[[str], None] | None,
            merge: TensorMerge | None = None) -> None:
     """Stream every parameter and buffer into `path`: one safetensors file when it ends in
@@ -81,7 +88,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
         raise ValueError("a LoRA model's directory export is its adapters, export(dir, adapters_only=True), for "
                          "peft.PeftModel.from_pretrained on the base model; or its base model with the adapters "
                          "merged in, export(dir, merge_adapters=True), for from_pretrained alone.")
-    check_export_path(path)
+    check_export_path(path, protected_files(sm))
     sm.settle()
     rename = merge.renamed if merge is not None else {k: k for k in sm.state_dict_keys}
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -151,7 +158,7 @@ def export_adapters(sm: ShardedModel, directory: str) -> None:
     if is_one_file(directory):
         raise ValueError(f"export {directory!r}, adapters_only=True: adapters are a directory (what "
                          "PeftModel.from_pretrained loads); name one without the .safetensors suffix.")
-    check_export_path(directory)
+    check_export_path(directory, protected_files(sm))
     sm.settle()
     adapters = dict(_unit_tensors(sm, [u for u in sm.units if not u.frozen]))
     if sm.group.rank != 0:

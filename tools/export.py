@@ -15,6 +15,7 @@ import torch
 
 from outcore.hf.adapter_merge import AdapterMerge
 from outcore.offload import StorageCorruptError
+from outcore.runtime.base_files import protected_paths
 from outcore.runtime.checkpoint import BUFFER_PREFIX
 from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
 from outcore.runtime.checkpoint_shards import CheckpointShards
@@ -60,6 +61,8 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     check_export_path(out)
     folder = checkpoint_folder(path, tag)
     meta = read_export_meta(folder, verify=verify)
+    check_export_path(out, protected_paths(meta) + ([os.path.join(meta["hf_source"], "config.json")]
+                                                    if meta.get("hf_source") else []))
     dtype = dtype or meta["config"].get("dtype", "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
