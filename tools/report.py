@@ -9,6 +9,8 @@ import resource
 import sys
 from contextlib import contextmanager
 
+from outcore.runtime.written_files import create_file, unique_name
+
 
 def table(headers: list[str], rows: list[list], *, out=None) -> None:
     """Print rows under headers, columns right-aligned to their widest cell."""
@@ -35,6 +37,11 @@ def check_writable(path: str, flag: str, *, folder: bool = False) -> None:
     """Before any work: `path` can be written (a folder made, or a file created, where it says);
     else a ValueError naming `flag`."""
     path = os.path.abspath(path)
+    if not folder and os.path.islink(path):
+        raise ValueError(f"{flag} {path!r} is a symbolic link; outcore writes no file through a link: name the "
+                         "file itself.")
+    if not folder and os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} is not a regular file (a FIFO, a device or a socket); name a file.")
     if os.path.exists(path) and os.path.isdir(path) != folder:
         raise ValueError(f"{flag} {path!r} is a {'file' if folder else 'directory'}; name a "
                          f"{'directory' if folder else 'file'}.")
@@ -55,11 +62,18 @@ def check_json_argument(parser: argparse.ArgumentParser, path: str | None) -> No
 
 
 def write_json(path: str | None, payload: dict | list) -> None:
-    """`path`'s folders are made as needed: the command checked up front that they can be."""
+    """`path`'s folders are made as needed: the command checked up front that they can be. Written
+    under a name of its own and renamed over `path`: no link there is followed."""
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
+        tmp = unique_name(path)
+        try:
+            with os.fdopen(create_file(tmp), "w") as f:
+                json.dump(payload, f, indent=2, default=str)
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
+from outcore.tools.run_outputs import check_outputs
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
 from outcore.tools.units import human_bytes, human_count
 
@@ -253,6 +254,7 @@ def _train(opts: TrainOptions, report) -> dict:
                         ("--eval-data", opts.eval_data is not None)):
         if given and opts.model is None:
             raise ValueError(f"{flag} is a setting of fine-tuning data: give --model DIR too.")
+    check_outputs(opts.out, opts.report_to)
     data = DataOptions(opts.data, opts.chat_template, not opts.train_on_prompt, opts.packing, opts.eval_data,
                        opts.eval_split) if opts.data else None
     job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=data, batch=opts.batch,
