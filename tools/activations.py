@@ -81,8 +81,9 @@ def preflight(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: b
     others = [] if checkpointed else ["--checkpoint-activations (each block keeps only its input)"]
     others.append(f"--accumulate K (K micro-batches of --batch {max(fits, 1)} a step)" if fits >= 1 else
                   "--offload-params/--offload-optimizer nvme to free the budgets' memory")
-    raise ValueError(f"--batch {batch} x --seq {seq} needs about {_gib(need)} of activations and the store's "
-                     f"budgets {_gib(budgets)}, over the {_gib(room + budgets)} of {where}; {advice}, or use "
+    raise ValueError(f"--batch {batch} x --seq {seq} needs about {_gib(need)} of activations, and this process "
+                     f"with the store's budgets {_gib(budgets)}, over the {_gib(room + budgets)} of {where}; {advice}, "
+                     "or use "
                      + " or ".join(others) + ".")
 
 

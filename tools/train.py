@@ -14,8 +14,8 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
@@ -28,9 +28,10 @@ from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
-from outcore.tools.activations import preflight
+from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
+from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
@@ -102,9 +103,14 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | None,
-                   prefetch_depth: int) -> tuple[str, str, str]:
-    """The least offloading whose device + host bytes fit in half of the available memory."""
+                   prefetch_depth: int, bound: MemoryBound) -> tuple[str, str, str]:
+    """The least offloading whose device + host bytes fit in the room `bound` leaves for them: half
+    of the available memory, or under --max-memory what the process and the activations leave."""
     avail = psutil.virtual_memory().available
+    room = bound.room_for_states()
+    where = (f"half of the {human_bytes(avail)} available" if bound.max_memory is None else
+             f"the {human_bytes(max(room, 0))} that --max-memory {human_bytes(bound.max_memory)} leaves beside this "
+             f"process and the activations")
     cuda = torch.cuda.is_available()
     gpu_free = torch.cuda.mem_get_info()[0] if cuda else 0
     for params, opt in OFFLOAD_LADDER:
@@ -114,16 +120,17 @@ def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | 
                         prefetch_depth=prefetch_depth, grad_clip=grad_clip, device="cuda" if cuda else "cpu")
         ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
         fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
-        if fits_device and ram <= avail // 2:
-            why = f"{human_bytes(ram)} of states and buffers fit in half of the {human_bytes(avail)} available"
-            return params, opt, why
-    return "nvme", "nvme", f"the model's states exceed half of the {human_bytes(avail)} available"
+        if fits_device and ram <= room:
+            return params, opt, f"{human_bytes(ram)} of states and buffers fit in {where}"
+    return "nvme", "nvme", f"the model's states exceed {where}"
 
 
-def build_config(opts: TrainOptions, units: list[int],
-                 device: torch.device) -> tuple[runtime.Config, list[str], OwnedDir | None]:
-    """The run's Config: the file's, overridden by flags, the rest chosen for this machine. Also
-    returns what was chosen (to print) and the NVMe folder created for the run, if any."""
+def build_config(opts: TrainOptions, units: list[int], device: torch.device,
+                 activations: Callable[[str], int]) -> tuple[runtime.Config, list[str], OwnedDir | None, dict]:
+    """The run's Config: the file's, overridden by flags, the rest chosen for this machine, within
+    --max-memory (tools/memory_bound.py; `activations`: a step's bytes in a compute dtype). Also
+    returns what was chosen (to print), the NVMe folder created for the run, if any, and the memory
+    arithmetic."""
     notes = []
     values = runtime.Config.file_values(opts.config) if opts.config else {}
     values.update({k: v for k, v in {
@@ -141,8 +148,8 @@ def build_config(opts: TrainOptions, units: list[int],
         if opts.offload_params is None and opts.offload_optimizer is None:
             defaults = runtime.Config()
             depth = values.get("prefetch_depth", defaults.prefetch_depth)
-            params, opt, why = choose_offload(units, values["dtype"], defaults.stage,
-                                              values["grad_clip"], depth)
+            params, opt, why = choose_offload(units, values["dtype"], defaults.stage, values["grad_clip"], depth,
+                                              MemoryBound.now(opts.max_memory, activations(values["dtype"])))
             values.update(offload_params=params, offload_optimizer=opt)
             notes.append(f"offload params={params} optimizer={opt}: {why}")
     values.update(opts.overrides)
@@ -154,7 +161,16 @@ def build_config(opts: TrainOptions, units: list[int],
         if opts.accumulate and config.grad_accumulation != 1:
             raise ValueError(f"--accumulate {opts.accumulate} runs its micro-batches through one train_batch; the "
                              f"config's grad_accumulation={config.grad_accumulation} must then be 1.")
-        return config, notes, owned
+        bound = MemoryBound.now(opts.max_memory, activations(config.dtype))
+        plan = estimate(units, dtype=config.dtype, state_dtype=config.state_dtype, stage=config.stage,
+                        offload_params=config.offload_params, offload_optimizer=config.offload_optimizer,
+                        prefetch_depth=config.prefetch_depth, grad_clip=config.grad_clip, device=device.type)
+        device_budget, host_budget, lowered = bound.budgets(plan, config.device_budget, config.host_budget,
+                                                            device.type == "cpu", config.dtype)
+        if lowered is not None:
+            config = replace(config, host_budget=host_budget)
+            notes.append(lowered)
+        return config, notes, owned, bound.as_json(device_budget if device.type == "cpu" else 0, host_budget)
     except ValueError:
         if owned is not None:
             owned.remove()
@@ -261,7 +277,22 @@ def _train(opts: TrainOptions, report) -> dict:
                   seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
                   lora_init=opts.lora_init, dora=opts.dora)
            if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
-    config, notes, owned_nvme = build_config(opts, job.unit_numels, device)
+    checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
+                     else job.checkpoint_activations)
+
+    def activations(dtype: str) -> int:
+        return 0 if job.shape is None else sum(activation_rows(job.shape, batch=opts.batch, seq=job.seq, dtype=dtype,
+                                                               checkpointed=checkpointing).values())
+
+    try:
+        config, notes, owned_nvme, memory = build_config(opts, job.unit_numels, device, activations)
+    except RunDoesNotFit as e:
+        one_row = e.smallest + activations(e.dtype) // opts.batch
+        if job.shape is not None and opts.max_memory is not None and one_row <= opts.max_memory:
+            # a smaller batch would fit: the preflight names the largest that does
+            preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=e.dtype, checkpointed=checkpointing,
+                      budgets=e.smallest, max_memory=opts.max_memory)
+        raise
     steps = opts.steps or job.steps
     # AdamW: the job's defaults, then the config's optimizer section, then --lr (the schedule's peak)
     hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
@@ -278,12 +309,10 @@ def _train(opts: TrainOptions, report) -> dict:
     ckpt_dir = os.path.join(opts.out, "checkpoints")
     engine = None
     stopped: tuple[int, int] | None = None  # (the signal, the step the run stopped after)
-    checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
-                     else job.checkpoint_activations)
     if job.shape is not None:  # a batch whose activations cannot fit is refused before anything starts
-        on_ram = (config.host_budget or 0) + ((config.device_budget or 0) if device.type == "cpu" else 0)
         preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=config.dtype, checkpointed=checkpointing,
-                  budgets=on_ram, max_memory=opts.max_memory)
+                  budgets=memory["process"] + memory["device_budget_in_ram"] + memory["host_budget"],
+                  max_memory=opts.max_memory)
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
         model = job.build()
@@ -413,6 +442,7 @@ def _train(opts: TrainOptions, report) -> dict:
         "tokens_per_second": totals["tokens"] / max(totals["seconds"], 1e-9), "init_seconds": init_seconds,
         "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
+        "memory": memory,
         "stopped": None if stopped is None else {"signal": signal.Signals(stopped[0]).name, "after_step": stopped[1],
                                                  "exit_code": 128 + stopped[0], "resume": _kept(ckpt_dir)},
     }

@@ -1,0 +1,82 @@
+"""The host memory an `outcore train` run will take, added up before step 1 from what decides it:
+this process as it stands (the interpreter, torch, the data), the store's budgets in host memory
+(derived from the memory plan where not given; on a CPU the device budget is host memory too) and
+one step's activations (tools/activations.py). Where `--max-memory` is given, the whole must fit
+in it: the offload setting is chosen so that it does, a derived host budget is lowered to what is
+left (the store then pages more to NVMe), and a run that cannot fit is refused before step 1 with
+this arithmetic. `--json` carries the arithmetic as "memory".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from outcore.runtime.memory_plan import MemoryPlan
+from outcore.tools.activations import available_memory
+from outcore.tools.units import human_bytes
+
+SLACK = 0.05  # of --max-memory, kept for what the run allocates beyond these figures (the model's
+# skeleton and hooks, the allocator's own slack)
+
+
+class RunDoesNotFit(ValueError):
+    """--max-memory cannot hold the run even at its smallest budgets (`smallest`: the process, those
+    budgets and the slack, in bytes, beside the activations in compute dtype `dtype`)."""
+
+    def __init__(self, message: str, smallest: int, dtype: str) -> None:
+        super().__init__(message)
+        self.smallest, self.dtype = smallest, dtype
+
+
+@dataclass
+class MemoryBound:
+    max_memory: int | None  # --max-memory; None: no bound but the machine's
+    activations: int  # one step's activations (0 where the model's shape is unknown)
+    process: int  # this process's resident bytes now
+
+    @classmethod
+    def now(cls, max_memory: int | None, activations: int) -> MemoryBound:
+        return cls(max_memory, activations, psutil.Process().memory_info().rss)
+
+    def room_for_states(self) -> int:
+        """Host bytes the store's budgets may take: under --max-memory what the process and the
+        activations leave of it; else half of the memory available (the rest for everything else)."""
+        if self.max_memory is None:
+            return available_memory() // 2
+        return int(self.max_memory * (1 - SLACK)) - self.process - self.activations
+
+    def budgets(self, plan: MemoryPlan, device_budget: int | None, host_budget: int | None,
+                on_cpu: bool, dtype: str) -> tuple[int, int, str | None]:
+        """The budgets the engine will take under `plan` (given, or derived as it derives them) and,
+        under --max-memory, a derived host budget lowered to fit; also what was lowered, in words.
+        RunDoesNotFit, with the arithmetic, where even the smallest budgets do not fit."""
+        device, host = plan.budgets(device_budget, host_budget, available_memory())
+        in_ram = device if on_cpu else 0
+        if self.max_memory is None or in_ram + host <= self.room_for_states():
+            return device, host, None
+        lowered = self.room_for_states() - in_ram
+        if host_budget is None and lowered >= plan.host_min:
+            return device, lowered, (f"host budget {human_bytes(lowered)} (derived: {human_bytes(host)}), to fit "
+                                     f"--max-memory {human_bytes(self.max_memory)}")
+        least = plan.host_min if host_budget is None else host
+        slack = int(self.max_memory * SLACK)
+        raise RunDoesNotFit(f"--max-memory {human_bytes(self.max_memory)} cannot hold this run: "
+                         f"{self.arithmetic(in_ram, least)} + slack {human_bytes(slack)} at the "
+                         f"smallest host budget. Raise --max-memory, lower --batch or --seq, or offload more "
+                         "(--offload-params/--offload-optimizer nvme) where something is not on NVMe yet.",
+                            self.process + in_ram + least + slack, dtype)
+
+    def arithmetic(self, device_in_ram: int, host: int) -> str:
+        total = self.process + device_in_ram + host + self.activations
+        return (f"this process {human_bytes(self.process)} + device budget in host memory "
+                f"{human_bytes(device_in_ram)} + host budget {human_bytes(host)} + activations "
+                f"{human_bytes(self.activations)} = {human_bytes(total)}")
+
+    def as_json(self, device_in_ram: int, host: int) -> dict:
+        return {"max_memory": self.max_memory, "process": self.process, "device_budget_in_ram": device_in_ram,
+                "host_budget": host, "activations": self.activations,
+                "slack": 0 if self.max_memory is None else int(self.max_memory * SLACK),
+                "total": self.process + device_in_ram + host + self.activations
+                + (0 if self.max_memory is None else int(self.max_memory * SLACK))}
