@@ -6,29 +6,42 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 Row = tuple[str, dict[str, Any]]  # (where it stands, the row)
+QUOTE_LIMIT = 200  # characters of a row (or of what a row made) an error quotes
+
+
+def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)`, cut to `limit` characters (and saying how long it was): a 20 MB row is not echoed."""
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def read_rows(path: str) -> list[Row]:
     """Every row of `path`, in order; ValueError naming the file (and the line) where it cannot."""
     if os.path.isdir(path):
         return _saved_dataset(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"--data {path!r} is not a regular file (a FIFO, a device or a socket): outcore reads the "
+                         "data more than once; save it to a file.")
     if not os.path.isfile(path):
         raise ValueError(f"--data {path!r}: no such file or directory.")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".txt":
-        with open(path, encoding="utf-8") as f:
-            return [("the file", {"text": f.read()})]
+        return [("the file", {"text": read_text(path)})]
     if suffix == ".jsonl":
         return _jsonl(path)
     if suffix == ".json":
-        with open(path, encoding="utf-8") as f:
-            try:
-                rows = json.load(f)
-            except ValueError as e:
-                raise ValueError(f"{path!r} is not JSON ({e}).") from e
+        text = read_text(path)
+        try:
+            rows = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path!r} is not JSON ({e}).") from e
+        except RecursionError:
+            raise ValueError(f"{path!r} line {_too_deep(text)} nests JSON deeper than Python's reader goes "
+                             f"(about {sys.getrecursionlimit()} levels); no fine-tuning row needs that.") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path!r}: a .json file holds a list of rows; this one holds a {type(rows).__name__}.")
         return [(f"row {i}", _object(row, path, f"row {i}")) for i, row in enumerate(rows, 1)]
@@ -40,18 +53,58 @@ def read_rows(path: str) -> list[Row]:
                      "datasets' save_to_disk.")
 
 
+def read_text(path: str, what: str = "") -> str:
+    """A UTF-8 file's text; ValueError naming the file and the line of the first byte that is not."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{what}{path!r} line {line} is not UTF-8 ({e.reason} at byte {e.start:,}); save the file "
+                         "as UTF-8.") from None
+
+
 def _jsonl(path: str) -> list[Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path!r} line {number} is not UTF-8 ({e.reason} at byte {e.start:,} of the line); "
+                                 "save the file as UTF-8.") from None
+            del raw
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path!r} line {number} is not JSON ({e}).") from e
+            except RecursionError:
+                raise ValueError(f"{path!r} line {number} nests JSON deeper than Python's reader goes (about "
+                                 f"{sys.getrecursionlimit()} levels); no fine-tuning row needs that.") from None
             rows.append((f"line {number}", _object(row, path, f"line {number}")))
     return rows
+
+
+def _too_deep(text: str) -> int:
+    """The line of `text` (JSON) where its nesting first passes the interpreter's recursion limit."""
+    depth, in_string, escaped, line = 0, False, False, 1
+    for c in text:
+        if c == "\n":
+            line += 1
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth >= sys.getrecursionlimit() // 2:
+                return line
+        elif c in "]}":
+            depth -= 1
+    return line
 
 
 def _object(row: Any, path: str, where: str) -> dict[str, Any]:

@@ -30,12 +30,16 @@ from outcore.hf.sft_rows import FORMATS, IGNORE, RowTokenizer, Sample, detect_fo
 log = logging.getLogger(__name__)
 
 
+LONG_ROW = 1 << 20  # characters of a row beyond which only a text row is taken (in pieces)
+
+
 @dataclass(frozen=True)
 class Counts:
     samples: int
     truncated: int  # samples longer than seq, cut to it
     tokens: int  # in the rows, padding left out
     trained: int  # tokens that carry the loss
+    dropped: int = 0  # rows left out: no token, none trained within seq, or too long (`samples_of`)
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -84,32 +88,74 @@ def sft_dataset(path: str, tokenizer: Any, seq: int, *, completion_only: bool = 
 def dataset_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_only: bool = True,
                packing: bool = True, chat_template: str | None = None) -> SFTDataset:
     """`sft_dataset` of rows already read."""
-    samples, fmt, truncated = samples_of(rows, path, tokenizer, seq, completion_only=completion_only,
-                                         chat_template=chat_template)
-    return packed(samples, seq, tokenizer, fmt, path, packing=packing, truncated=truncated)
+    samples, fmt, truncated, dropped = samples_of(rows, path, tokenizer, seq, completion_only=completion_only,
+                                                  chat_template=chat_template)
+    return packed(samples, seq, tokenizer, fmt, path, packing=packing, truncated=truncated, dropped=dropped)
 
 
 def samples_of(rows: list, path: str, tokenizer: Any, seq: int, *, completion_only: bool = True,
-               chat_template: str | None = None) -> tuple[list[Sample], str, int]:
-    """The rows' samples, none longer than `seq`, their format, and how many were cut. A text row
-    longer than `seq` (a whole `.txt` file is one) goes on in pieces of `seq` tokens, each a sample
-    of its own, so none of it is lost; a longer row of any other format keeps its first `seq` tokens."""
+               chat_template: str | None = None) -> tuple[list[Sample], str, int, int]:
+    """The rows' samples, none longer than `seq`, their format, how many were cut, and how many rows
+    were dropped. A text row longer than `seq` (a whole `.txt` file is one) goes on in pieces of
+    `seq` tokens, each a sample of its own, so none of it is lost (one over LONG_ROW characters is
+    tokenized in pieces too: `RowTokenizer.text_pieces`); a longer row of any other format keeps its
+    first `seq` tokens. Dropped, counted and said: a row with no token at all (a template that
+    renders nothing), one none of whose tokens within `seq` carries the loss (it would train on
+    nothing, and a batch of such rows has no loss at all), and a row of another format over
+    LONG_ROW characters (cut to `seq` tokens anyway, it would cost its size a hundred times over to
+    tokenize). ValueError where no row remains."""
     if seq < 2:
         raise ValueError(f"seq={seq}: rows need at least 2 tokens.")
     fmt = detect_format(rows, path)
     tokens = RowTokenizer(tokenizer, fmt, path, completion_only=completion_only, chat_template=chat_template)
-    samples, truncated = [], 0
+    samples: list[Sample] = []
+    truncated, dropped = 0, {"no tokens": 0, f"no trained token within --seq {seq}": 0,
+                             f"over {LONG_ROW >> 20} MB": 0}
     for where, row in rows:
+        size = _characters(row)
+        if size > LONG_ROW and fmt == "text" and isinstance(row["text"], str):
+            samples += tokens.text_pieces(where, row["text"], seq)
+            continue
+        if size > LONG_ROW:
+            dropped[f"over {LONG_ROW >> 20} MB"] += 1
+            continue
         s = tokens.sample(where, row)
-        if len(s.input_ids) <= seq:
-            samples.append(s)
-        elif fmt == "text":
+        if len(s.input_ids) > seq and fmt == "text":
             samples += [Sample(s.input_ids[i:i + seq], s.labels[i:i + seq]) for i in range(0, len(s.input_ids), seq)
                         if len(s.input_ids) - i >= 2]
-        else:
+            continue
+        if len(s.input_ids) > seq:
             truncated += 1
-            samples.append(Sample(s.input_ids[:seq], s.labels[:seq]))
-    return samples, fmt, truncated
+            s = Sample(s.input_ids[:seq], s.labels[:seq])
+        if not s.input_ids:
+            dropped["no tokens"] += 1
+        elif not s.trains:
+            dropped[f"no trained token within --seq {seq}"] += 1
+        else:
+            samples.append(s)
+    left_out = {why: n for why, n in dropped.items() if n}
+    if left_out:
+        log.warning("%s: %s left out (%s)", path, f"{sum(left_out.values())} of {len(rows)} rows",
+                    ", ".join(f"{n}: {why}" for why, n in left_out.items()))
+    if not samples:
+        raise ValueError(f"{path!r}: none of its {len(rows)} rows can be trained on ("
+                         + ", ".join(f"{n}: {why}" for why, n in left_out.items())
+                         + "); raise --seq, train on every token (--train-on-prompt), or mend the rows.")
+    return samples, fmt, truncated, sum(left_out.values())
+
+
+def _characters(row: Any) -> int:
+    """The characters of a row's strings, however deeply nested (without recursion)."""
+    total, todo = 0, [row]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            todo += value.values()
+        elif isinstance(value, (list, tuple)):
+            todo += value
+    return total
 
 
 def held_out(samples: list[Sample], fraction: float, seed: int, path: str) -> tuple[list[Sample], list[Sample]]:
@@ -127,12 +173,12 @@ def held_out(samples: list[Sample], fraction: float, seed: int, path: str) -> tu
 
 
 def packed(samples: list[Sample], seq: int, tokenizer: Any, fmt: str, path: str, *, packing: bool = True,
-           truncated: int = 0) -> SFTDataset:
+           truncated: int = 0, dropped: int = 0) -> SFTDataset:
     """Samples as rows of `seq` tokens, packed (the default) or one per row; said once in the log."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = _pack(samples, seq) if packing else [[s] for s in samples]
     counts = Counts(len(samples), truncated, sum(len(s.input_ids) for s in samples),
-                    sum(label != IGNORE for s in samples for label in s.labels[1:]))
+                    sum(label != IGNORE for s in samples for label in s.labels[1:]), dropped)
     log.info("%s: %d samples of %s, %s; %d of %d tokens (%.0f%%) carry the loss%s", path, len(samples),
              FORMATS[fmt][1], f"packed into {len(rows)} rows of {seq}" if packing else f"one per row of {seq}",
              counts.trained, counts.tokens, 100 * counts.trained / max(counts.tokens, 1),

@@ -26,11 +26,16 @@ token, trained, unless they end with it already; a template ends its turns itsel
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from outcore.hf.data_files import Row
+from outcore.hf.data_files import Row, quoted
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +53,23 @@ FORMATS = {  # name: (the fields that say it, how the log calls it)
 }
 
 
+TEMPLATE_SECONDS = 10.0  # the longest one rendering of a chat template may take
+TEXT_PIECE = 1 << 18  # characters of a long text row tokenized at a time (the tokenizer takes ~100x)
+
+
 @dataclass(frozen=True)
 class Sample:
-    input_ids: list[int]
-    labels: list[int]  # IGNORE where the position carries no loss
+    input_ids: Sequence[int]
+    labels: Sequence[int]  # IGNORE where the position carries no loss
+
+    @property
+    def trains(self) -> bool:
+        """Whether a token of it carries the loss (its first never does: nothing before predicts it)."""
+        return any(label != IGNORE for label in self.labels[1:])
+
+
+class TemplateTimeout(Exception):
+    """A chat template rendering ran past TEMPLATE_SECONDS."""
 
 
 def detect_format(rows: list[Row], path: str) -> str:
@@ -60,7 +78,7 @@ def detect_format(rows: list[Row], path: str) -> str:
     for where, row in rows:
         fmt = next((name for name, (fields, _) in FORMATS.items() if all(f in row for f in fields)), None)
         if fmt is None:
-            raise ValueError(f"{path!r} {where} has the fields {sorted(row)}, which are none of the formats: "
+            raise ValueError(f"{path!r} {where} has the fields {quoted(sorted(row))}, which are none of the formats: "
                              + "; ".join("+".join(fields) for fields, _ in FORMATS.values()) + ".")
         if found is not None and fmt != found[0]:
             raise ValueError(f"{path!r} {where} is a {fmt} row, but {found[1]} is a {found[0]} row: a file holds "
@@ -143,7 +161,7 @@ class RowTokenizer:
                 role = SHAREGPT_ROLES.get(str(turn.get("from"))) if isinstance(turn, dict) else None
                 if role is None or not isinstance(turn.get("value"), str):
                     raise ValueError(f"{self.path!r} {where}: a ShareGPT turn is {{\"from\": one of "
-                                     f"{sorted(SHAREGPT_ROLES)}, \"value\": a string}}; got {turn!r}.")
+                                     f"{sorted(SHAREGPT_ROLES)}, \"value\": a string}}; got {quoted(turn)}.")
                 messages.append({"role": role, "content": turn["value"]})
             return self._conversation(messages, where)
         return self._conversation(_messages(row["messages"], self.path, where), where)
@@ -164,11 +182,41 @@ class RowTokenizer:
 
     def _render(self, messages: list[dict], where: str, *, generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
-                                                      add_generation_prompt=generation_prompt)
+            with _bounded(TEMPLATE_SECONDS):
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                          add_generation_prompt=generation_prompt)
+        except TemplateTimeout:
+            raise ValueError(f"{self.path!r} {where}: the chat template ran for more than {TEMPLATE_SECONDS:.0f} s "
+                             "rendering this conversation, and was stopped: its loops run too long; fix the "
+                             "template (--chat-template FILE).") from None
         except Exception as e:  # noqa: BLE001 - a template raises what its Jinja code raises
             raise ValueError(f"{self.path!r} {where}: the chat template does not render this conversation "
-                             f"({type(e).__name__}: {e}).") from e
+                             f"({type(e).__name__}: {quoted(str(e))}).") from e
+
+    def text_pieces(self, where: str, text: str, seq: int) -> Iterator[Sample]:
+        """A text row too long to tokenize whole (a tokenizer takes about a hundred times a text's
+        size while it works) as samples of `seq` tokens, every token trained: tokenized TEXT_PIECE
+        characters at a time, each piece cut after a line break (else a space) so that no word is
+        split; said once, since a cut may tokenize differently than the whole text would."""
+        log.warning("%s %s is %.1f MB of text: tokenized %d KB at a time, each piece cut at a line break", self.path,
+                    where, len(text) / 1e6, TEXT_PIECE >> 10)
+        ids = array("i")
+        start = 0
+        while start < len(text):
+            end = _cut(text, start, TEXT_PIECE)
+            ids.extend(self.tokenizer(text[start:end], add_special_tokens=False, return_attention_mask=False)
+                       ["input_ids"])
+            if start == 0 and self.bos is not None and ids[:1] != array("i", [self.bos]):
+                ids.insert(0, self.bos)
+            start = end
+            while len(ids) >= seq:
+                piece = ids[:seq]
+                yield Sample(piece, piece)
+                del ids[:seq]
+        if self.eos is not None and ids[-1:] != array("i", [self.eos]):
+            ids.append(self.eos)
+        if len(ids) >= 2:
+            yield Sample(ids, ids)
 
     def _prefix(self, part: str, text: str, where: str) -> int:
         """Where `part`, a rendering of the conversation's beginning, ends in `text`."""
@@ -193,3 +241,38 @@ def _messages(value: Any, path: str, where: str) -> list[dict]:
                                               and isinstance(m.get("content"), str) for m in value):
         raise ValueError(f"{path!r} {where}: messages are a list of {{\"role\": ..., \"content\": a string}}.")
     return value
+
+
+def _cut(text: str, start: int, size: int) -> int:
+    """Where a piece of about `size` characters from `start` ends: after its last line break in its
+    second half, else after its last space there, else at `size`."""
+    end = start + size
+    if end >= len(text):
+        return len(text)
+    for mark in ("\n", " "):
+        at = text.rfind(mark, start + size // 2, end)
+        if at >= 0:
+            return at + 1
+    return end
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float) -> Iterator[None]:
+    """TemplateTimeout in the block after `seconds`, by SIGALRM: on the main thread only (elsewhere
+    unbounded), and the timer and handler that were there put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise TemplateTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:
+            signal.setitimer(signal.ITIMER_REAL, left)

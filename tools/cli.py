@@ -369,7 +369,11 @@ def _run(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
         return EXIT_RUNTIME
     except Exception as e:  # noqa: BLE001 - a runtime failure: its cause, not a traceback
-        print(f"outcore {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        from outcore.tools.memory_bound import address_space_hint
+
+        hint = address_space_hint(e)
+        print(f"outcore {args.command}: failed: {type(e).__name__}: {e}" + (f"; {hint}." if hint else ""),
+              file=sys.stderr)
         return EXIT_RUNTIME
 
 

@@ -9,6 +9,7 @@ this arithmetic. `--json` carries the arithmetic as "memory".
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 
 import psutil
@@ -80,3 +81,30 @@ class MemoryBound:
                 "slack": 0 if self.max_memory is None else int(self.max_memory * SLACK),
                 "total": self.process + device_in_ram + host + self.activations
                 + (0 if self.max_memory is None else int(self.max_memory * SLACK))}
+
+
+def address_space_note() -> str | None:
+    """Said before a run starts where a `ulimit -v` is set: it may fail far below the limit, and in
+    a thread library outcore cannot catch (libgomp aborts the process)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    return (f"the address space is limited to {human_bytes(limit)} (ulimit -v): threads and allocators reserve "
+            "address space well beyond the memory they use, so the run may fail far below it; lift it and bound the "
+            "run with --max-memory instead")
+
+
+def address_space_hint(error: BaseException) -> str | None:
+    """Where a run failed for want of address space under a `ulimit -v` (RLIMIT_AS), what to do,
+    in words; None for any other failure. Threads reserve their stacks and allocators their arenas
+    as address space well beyond the memory they use, so such a limit fails far below what the run
+    needs, as "can't start new thread" or a failed allocation."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    text = str(error)
+    starved = isinstance(error, MemoryError) or any(
+        words in text for words in ("can't start new thread", "can't allocate memory", "Cannot allocate memory"))
+    if limit == resource.RLIM_INFINITY or not starved:
+        return None
+    return (f"the process's address space is limited to {human_bytes(limit)} (ulimit -v), and threads and allocators "
+            "reserve address space well beyond the memory they use: lift that limit (ulimit -v unlimited) and bound "
+            "the run with --max-memory instead, which counts memory used")

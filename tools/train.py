@@ -31,7 +31,7 @@ from outcore.runtime.policy import DTYPES
 from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
-from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit
+from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit, address_space_note
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
@@ -258,6 +258,9 @@ def _train(opts: TrainOptions, report) -> dict:
     from outcore.tools.report import progress
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    limited = address_space_note()
+    if limited is not None:
+        report(f"outcore train: {limited}")
     if opts.lora is not None and opts.model is None:
         raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
     for flag, given in (("--merge-adapters", opts.merge_adapters), ("--lora-alpha", opts.lora_alpha is not None),

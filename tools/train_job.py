@@ -160,8 +160,9 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
 
     name = os.path.basename(os.path.normpath(directory)) + (f" + LoRA r={lora}" if lora else "")
     c = train_set.counts
+    left_out = f"; {c.dropped} rows left out (see the warning above)" if c.dropped else ""
     tokens = (f"tokens of {data.path} ({c.samples} samples, {len(train_set)} rows; "
-              f"{100 * c.trained / max(c.tokens, 1):.0f}% of tokens carry the loss)")
+              f"{100 * c.trained / max(c.tokens, 1):.0f}% of tokens carry the loss{left_out})")
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
@@ -178,23 +179,24 @@ def _shape(config: Any) -> Shape | None:
 
 def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any]:
     """The training rows and the held-out rows, labelled and packed alike (hf/sft_data.py)."""
-    from outcore.hf.data_files import read_rows
+    from outcore.hf.data_files import read_rows, read_text
     from outcore.hf.sft_data import held_out, packed, samples_of
 
     template = None
     if data.chat_template is not None:
         try:
-            with open(data.chat_template, encoding="utf-8") as f:
-                template = f.read()
+            template = read_text(data.chat_template, "--chat-template ")
         except OSError as e:
             raise ValueError(f"--chat-template {data.chat_template!r}: {e.strerror}.") from e
     kw: dict[str, Any] = {"completion_only": data.completion_only, "chat_template": template}
-    samples, fmt, cut = samples_of(read_rows(data.path), data.path, tokenizer, seq, **kw)
+    samples, fmt, cut, dropped = samples_of(read_rows(data.path), data.path, tokenizer, seq, **kw)
     if data.eval_data is not None:
-        evals, eval_fmt, eval_cut = samples_of(read_rows(data.eval_data), data.eval_data, tokenizer, seq, **kw)
+        evals, eval_fmt, eval_cut, eval_dropped = samples_of(read_rows(data.eval_data), data.eval_data, tokenizer,
+                                                             seq, **kw)
         eval_name = data.eval_data
     else:
         samples, evals = held_out(samples, data.eval_split, seed, data.path)
-        eval_fmt, eval_cut, eval_name = fmt, 0, f"{data.path} (held out)"
-    return (packed(samples, seq, tokenizer, fmt, data.path, packing=data.packing, truncated=cut),
-            packed(evals, seq, tokenizer, eval_fmt, eval_name, packing=data.packing, truncated=eval_cut))
+        eval_fmt, eval_cut, eval_dropped, eval_name = fmt, 0, 0, f"{data.path} (held out)"
+    return (packed(samples, seq, tokenizer, fmt, data.path, packing=data.packing, truncated=cut, dropped=dropped),
+            packed(evals, seq, tokenizer, eval_fmt, eval_name, packing=data.packing, truncated=eval_cut,
+                   dropped=eval_dropped))

@@ -33,3 +33,18 @@ def test_a_run_that_cannot_fit_is_refused_before_step_1_with_its_arithmetic(tmp_
     said = capsys.readouterr()
     assert "cannot hold this run: this process" in said.err and "host budget" in said.err
     assert "step 1" not in said.out
+
+
+def test_a_run_starved_by_ulimit_v_says_so_and_what_to_do(tmp_path):
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1_150_000_000, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-m", "outcore.tools.cli", "train", "--steps", "1", "--no-save", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          preexec_fn=limit)
+    assert done.returncode != 0
+    # said before the run starts (a thread library may abort the process, past any handler), and with
+    # the failure where Python sees it
+    assert "(ulimit -v)" in done.stdout and "--max-memory" in done.stdout and "Traceback" not in done.stderr
