@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a CPU-only machine the compute device is the CPU)")
     t.add_argument("--prefetch-depth", type=non_negative_int, help="units fetched ahead of use (default 2)")
     t.add_argument("--eval-every", type=positive_int, help="steps between validation losses (default: 5 per run)")
-    t.add_argument("--max-memory", type=_size, metavar="SIZE", help="memory this run may use, checked with the "
-                   "step's activations before it starts (default: what the machine has available)")
+    t.add_argument("--max-memory", type=_size, metavar="SIZE", help="host memory the whole run may use: this "
+                   "process, the store's budgets (a derived host budget is lowered to fit) and a step's activations, "
+                   "checked before step 1 (default: what the machine has available)")
     t.add_argument("--log-every", type=positive_int, default=10, metavar="N",
                    help="steps per row of OUT/log.jsonl, and per line where the output is not a terminal (default 10)")
     t.add_argument("--report-to", type=_words, default=(), metavar="TRACKERS",
