@@ -34,14 +34,7 @@ def read_rows(path: str) -> list[Row]:
     if suffix == ".jsonl":
         return _jsonl(path)
     if suffix == ".json":
-        text = read_text(path)
-        try:
-            rows = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"{path!r} is not JSON ({e}).") from e
-        except RecursionError:
-            raise ValueError(f"{path!r} line {_too_deep(text)} nests JSON deeper than Python's reader goes "
-                             f"(about {sys.getrecursionlimit()} levels); no fine-tuning row needs that.") from None
+        rows = _parsed(read_text(path), path)
         if not isinstance(rows, list):
             raise ValueError(f"{path!r}: a .json file holds a list of rows; this one holds a {type(rows).__name__}.")
         return [(f"row {i}", _object(row, path, f"row {i}")) for i, row in enumerate(rows, 1)]
@@ -77,15 +70,23 @@ def _jsonl(path: str) -> list[Row]:
             del raw
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path!r} line {number} is not JSON ({e}).") from e
-            except RecursionError:
-                raise ValueError(f"{path!r} line {number} nests JSON deeper than Python's reader goes (about "
-                                 f"{sys.getrecursionlimit()} levels); no fine-tuning row needs that.") from None
+            row = _parsed(line, path, number)
             rows.append((f"line {number}", _object(row, path, f"line {number}")))
     return rows
+
+
+def _parsed(text: str, path: str, line: int | None = None) -> Any:
+    """`text` (line `line` of a .jsonl, or a whole .json) as JSON; a ValueError naming the file and
+    line where it is not, or nests deeper than the reader goes."""
+    at = f" line {line}" if line is not None else ""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path!r}{at} is not JSON ({e}).") from e
+    except RecursionError:
+        deep = line if line is not None else _too_deep(text)
+        raise ValueError(f"{path!r} line {deep} nests JSON deeper than Python's reader goes (about "
+                         f"{sys.getrecursionlimit()} levels); no fine-tuning row needs that.") from None
 
 
 def _too_deep(text: str) -> int:

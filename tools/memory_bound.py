@@ -13,11 +13,14 @@ import resource
 from dataclasses import dataclass
 
 import psutil
+import torch
 
 from outcore.runtime.memory_plan import MemoryPlan
 from outcore.tools.activations import available_memory
+from outcore.tools.estimate import estimate
 from outcore.tools.units import human_bytes
 
+OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 SLACK = 0.05  # of --max-memory, kept for what the run allocates beyond these figures (the model's
 # skeleton and hooks, the allocator's own slack)
 
@@ -81,6 +84,29 @@ class MemoryBound:
                 "slack": 0 if self.max_memory is None else int(self.max_memory * SLACK),
                 "total": self.process + device_in_ram + host + self.activations
                 + (0 if self.max_memory is None else int(self.max_memory * SLACK))}
+
+
+def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | None,
+                   prefetch_depth: int, bound: MemoryBound) -> tuple[str, str, str]:
+    """The least offloading whose device + host bytes fit in the room `bound` leaves for them: half
+    of the available memory, or under --max-memory what the process and the activations leave."""
+    avail = psutil.virtual_memory().available
+    room = bound.room_for_states()
+    where = (f"half of the {human_bytes(avail)} available" if bound.max_memory is None else
+             f"the {human_bytes(max(room, 0))} that --max-memory {human_bytes(bound.max_memory)} leaves beside this "
+             f"process and the activations")
+    cuda = torch.cuda.is_available()
+    gpu_free = torch.cuda.mem_get_info()[0] if cuda else 0
+    for params, opt in OFFLOAD_LADDER:
+        if params != "none" and stage < 3:
+            continue
+        plan = estimate(units, dtype=dtype, stage=stage, offload_params=params, offload_optimizer=opt,
+                        prefetch_depth=prefetch_depth, grad_clip=grad_clip, device="cuda" if cuda else "cpu")
+        ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
+        fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
+        if fits_device and ram <= room:
+            return params, opt, f"{human_bytes(ram)} of states and buffers fit in {where}"
+    return "nvme", "nvme", f"the model's states exceed {where}"
 
 
 def address_space_note() -> str | None:

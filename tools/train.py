@@ -2,8 +2,9 @@
 Hugging Face model fine-tuned (fully, or with LoRA) on text its own tokenizer packs (train_job.py).
 
 Defaults are chosen for the machine at hand: the least offloading whose bytes (by the memory plan)
-fit in half of the free memory, bf16 where the hardware computes it natively, and an NVMe
-directory under the working directory that is removed afterwards. Each choice is printed once.
+fit in half of the free memory, or within --max-memory beside the process and the activations
+(tools/memory_bound.py), bf16 where the hardware computes it natively, and an NVMe directory under
+the working directory that is removed afterwards. Each choice is printed once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-import psutil
 import torch
 
 from outcore import runtime
@@ -31,7 +31,7 @@ from outcore.runtime.policy import DTYPES
 from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
-from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit, address_space_note
+from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit, address_space_note, choose_offload
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
@@ -40,7 +40,6 @@ from outcore.tools.units import human_bytes, human_count
 
 log = logging.getLogger("outcore.train")
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
-OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 
 
 @dataclass
@@ -100,29 +99,6 @@ def native_bf16(device: torch.device) -> bool:
     except OSError:
         return False
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
-
-
-def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | None,
-                   prefetch_depth: int, bound: MemoryBound) -> tuple[str, str, str]:
-    """The least offloading whose device + host bytes fit in the room `bound` leaves for them: half
-    of the available memory, or under --max-memory what the process and the activations leave."""
-    avail = psutil.virtual_memory().available
-    room = bound.room_for_states()
-    where = (f"half of the {human_bytes(avail)} available" if bound.max_memory is None else
-             f"the {human_bytes(max(room, 0))} that --max-memory {human_bytes(bound.max_memory)} leaves beside this "
-             f"process and the activations")
-    cuda = torch.cuda.is_available()
-    gpu_free = torch.cuda.mem_get_info()[0] if cuda else 0
-    for params, opt in OFFLOAD_LADDER:
-        if params != "none" and stage < 3:
-            continue
-        plan = estimate(units, dtype=dtype, stage=stage, offload_params=params, offload_optimizer=opt,
-                        prefetch_depth=prefetch_depth, grad_clip=grad_clip, device="cuda" if cuda else "cpu")
-        ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
-        fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
-        if fits_device and ram <= room:
-            return params, opt, f"{human_bytes(ram)} of states and buffers fit in {where}"
-    return "nvme", "nvme", f"the model's states exceed {where}"
 
 
 def build_config(opts: TrainOptions, units: list[int], device: torch.device,
