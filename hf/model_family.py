@@ -116,6 +116,12 @@ class HuggingFaceFamily(ModelFamily):
     def head_initializer(self, module: str, name: str, seed: int) -> Callable[[nn.Module], None]:
         return seeded_init(self.model, module, name, seed)
 
+    def kept_whole(self) -> set[nn.Module]:
+        """The embeddings and the output head, which transformers' bitsandbytes loading leaves whole."""
+        base = self.inner()
+        return {m for m in (_declared(base, "get_input_embeddings"), _declared(base, "get_output_embeddings"))
+                if isinstance(m, nn.Module)}
+
     def vocabulary_names(self) -> set[str]:
         """The input embedding's weight and the output head's weight and bias."""
         base = self.inner()

@@ -44,6 +44,7 @@ from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, Check
 from outcore.runtime.collectives import barrier, gather_objects
 from outcore.runtime.frozen_in_place import checksums
 from outcore.runtime.optimizer import ParamWriter
+from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
 from outcore.runtime.written_files import create_file, unique_name
 
@@ -60,8 +61,16 @@ def _layout(sm: ShardedModel) -> list[dict]:
              "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
                         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)],
              # a frozen unit read where the weights lie: where, in place of its bytes
-             **({"in_place": u.in_place.as_json()} if u.in_place is not None else {})}
+             **({"in_place": u.in_place.as_json()} if u.in_place is not None else {}),
+             # a frozen unit stored quantized: how; its codes are derived again from the base on resume
+             **({"quantized": _quantized(u.quantized)} if u.quantized is not None else {})}
             for u in sm.units]
+
+
+def _quantized(layout: QuantizedLayout) -> dict:
+    kinds = {(p.kind, p.double) for p in layout.parts if p is not None}
+    (kind, double), = kinds
+    return {"kind": kind, "double": double, "weights": [p is not None for p in layout.parts]}
 
 
 BUFFER_PREFIX = "buffer."  # model buffers (running statistics and the like) ride in every rank's file
@@ -161,7 +170,8 @@ def _write_rank_file(sm: ShardedModel, path: str) -> None:
     store, place = sm.store, sm.place
     chunks = [c for u in sm.units for c in u.chunks]
     buffers = {BUFFER_PREFIX + k: v.contiguous() for k, v in sm.buffers().items()}
-    frozen = [u for u in sm.units if u.frozen and u.in_place is None]  # the others: meta.json says where
+    # the others: meta.json says where they lie, or how they were quantized from the base
+    frozen = [u for u in sm.units if u.frozen and u.in_place is None and u.quantized is None]
     rounding = sm.updates.rounding
     extra = {ROUNDING_STATE: rounding.state()} if rounding is not None else {}
     # Always fp32 [master|m|v]: one layout for export and resharding to read; bf16 states widen exactly.
@@ -267,7 +277,7 @@ def _overwrite(store: TieredStore, key: str, values: torch.Tensor, tier: Tier, *
 
 def _fits(layout: list[dict]) -> list[dict]:
     """The part of a unit layout that does not depend on the world size."""
-    return [{k: u.get(k, False) for k in ("name", "numel", "frozen", "params")} for u in layout]
+    return [{k: u.get(k, False) for k in ("name", "numel", "frozen", "params", "quantized")} for u in layout]
 
 
 def _named(param: dict) -> str:
@@ -290,6 +300,9 @@ def _first_difference(saved: list[dict], built: list[dict]) -> str:
         return "the units come in another order"
     for s, b in zip(saved, built, strict=True):
         name = s["name"]
+        if s["quantized"] != b["quantized"]:
+            return (f"unit {name!r} rests quantized as {s['quantized'] or 'not quantized'} in the checkpoint and "
+                    f"{b['quantized'] or 'not quantized'} in this engine (give the run's Config.quantize)")
         sps, bps = s["params"] or [], b["params"] or []  # a layout may have no parameter list: False
         for sp, bp in zip(sps, bps, strict=False):
             if sp["names"] != bp["names"]:
@@ -344,7 +357,9 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
             for u in sm.units:
                 base = rank * u.layout.shard
                 spans = shards.in_place(u.index) if u.frozen else None
-                if spans is not None and not u.aliased:  # read where the weights lie, as the checkpoint's run did
+                if u.quantized is not None:
+                    pass  # the codes this engine derived from the base (checked to be the run's) stand
+                elif spans is not None and not u.aliased:  # read where the weights lie, as the checkpoint's run did
                     store.put_source(u.param_key, spans.source(base, base + u.layout.shard), u.dtype)
                 elif u.frozen:
                     values = shards.params(u.index, base, base + u.layout.shard).to(u.dtype)

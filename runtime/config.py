@@ -27,6 +27,9 @@ SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit
 
 MAX_PREFETCH_DEPTH = 1024  # units fetched ahead: far past any model, far short of what overflows a buffer count
 
+QUANTIZE = (None, "nf4", "fp4")  # Config.quantize: bitsandbytes' 4-bit types
+
+
 @dataclass
 class Config:
     """How the engine shards, where states rest, and how it computes (the README's Config table).
@@ -47,6 +50,9 @@ class Config:
                        many parameters at a time (16 B each with the gradient), whatever the unit size.
     collective_timeout: seconds any collective waits for the other ranks before a stalled or dead
                        rank becomes an error on every rank (used when the engine makes the group).
+    quantize:          None, "nf4" or "fp4": frozen Linear weights rest in the tiers quantized as
+                       bitsandbytes quantizes them, dequantized as their unit is gathered
+                       (runtime/quantized.py); `quantize_double` quantizes their scales too.
     """
 
     stage: int = 3
@@ -65,6 +71,8 @@ class Config:
     optimizer: dict[str, Any] = field(default_factory=dict)
     sub_group_size: int = 1 << 22
     collective_timeout: float = 600.0
+    quantize: str | None = None
+    quantize_double: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
@@ -102,6 +110,11 @@ class Config:
         if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
             raise ValueError(f"collective_timeout={self.collective_timeout}: must be a finite number of seconds > 0.")
         _check_optimizer(self.optimizer)
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(map(repr, QUANTIZE))}.")
+        if self.quantize_double and self.quantize is None:
+            raise ValueError("quantize_double=True quantizes the scales of quantized weights: set quantize='nf4' "
+                             "or 'fp4' too.")
 
     # -- readers ----------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from outcore.runtime.model_family import family_of
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
+from outcore.runtime.quantized import quantize_units
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
@@ -116,6 +117,9 @@ class Engine:
             frozen_in_files=pretrained is not None)
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
+        if config.quantize is not None:  # runtime/quantized.py [Note: quantized frozen units]
+            quantize_units(self.units, config.quantize, config.quantize_double, self.family.kept_whole(),
+                           self.policy.elem, self.group.world)
         rounding = StochasticRounding(seed + self.group.rank) if self.policy.state_dtype == "bf16" else None
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
                                     read_ahead=read_ahead, nice=config.io.nice, rounding=rounding)

@@ -179,7 +179,8 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
         materialize_unit(unit.plan, family, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
                          read_base=read_base, initializers=heads)
         spans = None
-        if pretrained is not None and unit.frozen and place.param_tier == Tier.NVME and not unit.resident:
+        if (pretrained is not None and unit.frozen and place.param_tier == Tier.NVME and not unit.resident
+                and unit.quantized is None):
             spans, why = _in_place(unit, pretrained, read_in)
             if spans is None:
                 copied.append(f"{unit.name}: {why}")
@@ -229,6 +230,15 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
             param = module._parameters[name]
             assert param is not None and not param.is_meta
             into.copy_(param.detach())
+    if unit.quantized is not None:  # its codes and scales: runtime/quantized.py
+        q = unit.quantized
+        raw = q.encode([flat32[off : off + slot.numel] for slot, off in zip(unit.plan.slots, lay.offsets, strict=True)],
+                       unit.dtype)
+        store.put(unit.param_key, raw[rank * q.shard : (rank + 1) * q.shard], place.param_tier,
+                  return_home=place.param_returns_home)
+        del flat32, raw
+        _drop_module_parameters(unit, policy)
+        return
     master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
     for c in unit.chunks:
         state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param,

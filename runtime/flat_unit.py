@@ -43,6 +43,7 @@ from outcore.offload.aligned import advise_huge_pages
 from outcore.runtime.collectives import Group, all_gather_chunk, reduce_scatter
 from outcore.runtime.frozen_in_place import UnitSpans
 from outcore.runtime.policy import StatePolicy, padded_numel
+from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.released import ReleasedParameter
 from outcore.runtime.storage_swap import swap_storage_memory
 from outcore.runtime.units import UnitPlan
@@ -129,6 +130,8 @@ class FlatUnit:
         self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
         # A frozen unit read where its weights lie: its spans of the weights files (runtime/frozen_in_place.py)
         self.in_place: UnitSpans | None = None
+        # A frozen unit stored quantized: its bytes' layout (runtime/quantized.py [Note: quantized frozen units])
+        self.quantized: QuantizedLayout | None = None
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
@@ -157,6 +160,13 @@ class FlatUnit:
     @property
     def name(self) -> str:
         return (self.plan.name or "<root>") + (" (frozen)" if self.frozen else "")
+
+    def store_quantized(self, layout: QuantizedLayout) -> None:
+        """From now on the unit's shard is `layout`'s bytes, decoded at every gather: it is never
+        resident and never borrows the stored shard (runtime/quantized.py)."""
+        assert self.frozen and self.state is UnitState.SHARDED
+        self.quantized = layout
+        self.resident = self.borrowing = False
 
     def alias_shard(self) -> None:
         """World 1, parameters on DEVICE: the flat buffer *is* the stored shard (pinned for good).
@@ -201,10 +211,17 @@ class FlatUnit:
         self._borrowed = storage
 
     def _gather_into(self, full: torch.Tensor) -> None:
-        """Every rank's shard of the unit into `full`."""
+        """Every rank's shard of the unit into `full` (a quantized unit's bytes gathered, then decoded)."""
         piece = self._fetch_shard()
         try:
-            all_gather_chunk(full, piece, self.layout.shard, 0, self.layout.shard, self.group)
+            if self.quantized is None:
+                all_gather_chunk(full, piece, self.layout.shard, 0, self.layout.shard, self.group)
+                return
+            raw = piece
+            if self.group.world > 1:
+                raw = torch.empty(self.quantized.padded, dtype=torch.uint8, device=piece.device)
+                all_gather_chunk(raw, piece, self.quantized.shard, 0, self.quantized.shard, self.group)
+            self.quantized.decode_into(raw, full, self.layout.offsets)
         finally:
             self.store.release(self.param_key)
 

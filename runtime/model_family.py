@@ -147,6 +147,10 @@ class ModelFamily:
         """State-dict names (as stored) of the parameters whose rows are the vocabulary."""
         return set()
 
+    def kept_whole(self) -> set[nn.Module]:
+        """Modules whose weights `Config.quantize` leaves in the compute dtype (an output head)."""
+        return set()
+
     def read_settings(self, directory: str) -> None:
         """Take the settings stored beside the weights in `directory` (generation settings)."""
 

@@ -1,0 +1,191 @@
+"""Frozen weights stored quantized in the tiers (`Config.quantize`): bitsandbytes' 4-bit codes and scales.
+
+[Note: quantized frozen units] A frozen unit whose parameters include the weight of an
+`nn.Linear` (one the model family does not keep whole, as transformers keeps the output head)
+rests in the store as bytes, `QuantizedLayout`: for each such weight the codes and scales
+`bitsandbytes.functional.quantize_4bit` makes of it (NF4 or FP4, two codes a byte, blocks of 64,
+an fp32 absmax per block, or with double quantization a byte per block beside an fp32 absmax per
+256 blocks and their offset), and for the unit's other parameters (biases, norms) their values in
+the compute dtype. Gathering the unit decodes each weight with `dequantize_4bit` into the unit's
+flat buffer, so the layers compute with the values bitsandbytes' `Linear4bit` computes with. Such a
+unit is never resident and never borrows its shard (the stored bytes are not the flat buffer's):
+it is decoded at every gather, and a weight's bytes in the tiers and on the wire are 0.56 of a
+byte a parameter (0.52 with double quantization) where bf16 takes 2.
+
+The weights are quantized once, as they stream in at the start, from their values in fp32 (a bf16
+file's values widen exactly). Quantizing is deterministic: the same weights and settings give the
+same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from outcore.runtime.flat_unit import FlatUnit
+
+BLOCK = 64  # elements a 4-bit scale covers (bitsandbytes' blocksize, as transformers loads QLoRA bases)
+NESTED_BLOCK = 256  # scales a nested scale covers under double quantization
+_ALIGN = 4  # each part starts on a 4-byte boundary, so that its fp32 view needs no copy
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _bnb():  # imported where used: bitsandbytes is the `qlora` extra
+    try:
+        import bitsandbytes.functional as functional
+    except ImportError as e:
+        raise ImportError("Config.quantize needs bitsandbytes (>= 0.46 runs on the CPU): pip install "
+                          "'outcore[qlora]'.") from e
+    return functional
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight's stored bytes: [codes | code table | scales], each part 4-byte aligned."""
+
+    shape: tuple[int, ...]
+    kind: str  # "nf4" or "fp4"
+    double: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.numel // BLOCK)
+
+    @property
+    def _parts(self) -> list[tuple[str, int]]:
+        """(name, bytes) in the order stored."""
+        parts = [("codes", -(-self.numel // 2)), ("code", 16 * 4)]
+        if self.double:
+            nested = -(-self.blocks // NESTED_BLOCK)
+            parts += [("absmax", self.blocks), ("nested_absmax", nested * 4), ("offset", 4),
+                      ("nested_code", 256 * 4)]
+        else:
+            parts.append(("absmax", self.blocks * 4))
+        return parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(n) for _, n in self._parts)
+
+    def _split(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, at = {}, 0
+        for name, n in self._parts:
+            out[name] = raw[at : at + n]
+            at += _aligned(n)
+        return out
+
+    def encode(self, weight: torch.Tensor, out: torch.Tensor) -> None:
+        """`weight` (this shape) quantized into `out` (uint8, `nbytes`), as bitsandbytes quantizes it."""
+        codes, state = _bnb().quantize_4bit(weight.detach().float().contiguous(), blocksize=BLOCK,
+                                            quant_type=self.kind, compress_statistics=self.double,
+                                            quant_storage=torch.uint8)
+        parts = self._split(out)
+        parts["codes"].copy_(codes.reshape(-1).view(torch.uint8))
+        parts["code"].view(torch.float32).copy_(state.code.float())
+        if self.double:
+            parts["absmax"].copy_(state.absmax.view(torch.uint8))
+            parts["nested_absmax"].view(torch.float32).copy_(state.state2.absmax.float())
+            parts["offset"].view(torch.float32).copy_(torch.as_tensor(state.offset, dtype=torch.float32).reshape(1))
+            parts["nested_code"].view(torch.float32).copy_(state.state2.code.float())
+        else:
+            parts["absmax"].view(torch.float32).copy_(state.absmax.float())
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's values (this shape, `dtype`) from its stored bytes, on `raw`'s device."""
+        functional = _bnb()
+        parts = self._split(raw)
+        nested = None
+        offset = None
+        if self.double:
+            nested = functional.QuantState(absmax=parts["nested_absmax"].view(torch.float32),
+                                           code=parts["nested_code"].view(torch.float32), blocksize=NESTED_BLOCK,
+                                           dtype=torch.float32)
+            offset = parts["offset"].view(torch.float32)[0]
+            absmax = parts["absmax"]
+        else:
+            absmax = parts["absmax"].view(torch.float32)
+        state = functional.QuantState(absmax=absmax, shape=torch.Size(self.shape),
+                                      code=parts["code"].view(torch.float32), blocksize=BLOCK, quant_type=self.kind,
+                                      dtype=dtype, offset=offset, state2=nested)
+        return functional.dequantize_4bit(parts["codes"].reshape(-1, 1), state)
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """A frozen unit's stored bytes: each parameter's part (a `QuantizedWeight`, or None for one
+    kept in the compute dtype) at its byte offset; padded and split into equal shards, as a flat
+    buffer is."""
+
+    parts: tuple[QuantizedWeight | None, ...]
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    padded: int
+    shard: int
+
+    @classmethod
+    def of(cls, shapes: list[tuple[int, ...]], quantized: list[bool], kind: str, double: bool,
+           elem: int, world: int) -> QuantizedLayout:
+        parts, numels, offsets, at = [], [], [], 0
+        for shape, q in zip(shapes, quantized, strict=True):
+            part = QuantizedWeight(tuple(shape), kind, double) if q else None
+            numel = QuantizedWeight(tuple(shape), kind, double).numel
+            offsets.append(at)
+            parts.append(part)
+            numels.append(numel)
+            at += _aligned(part.nbytes if part is not None else numel * elem)
+        grain = world * _ALIGN * 128  # equal shards of whole 512-byte pieces
+        padded = -(-max(at, 1) // grain) * grain
+        return cls(tuple(parts), tuple(numels), tuple(offsets), padded, padded // world)
+
+    def encode(self, values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The unit's stored bytes from its parameters' values (in slot order)."""
+        out = torch.zeros(self.padded, dtype=torch.uint8)
+        for part, value, at, numel in zip(self.parts, values, self.offsets, self.numels, strict=True):
+            if part is not None:
+                part.encode(value, out[at : at + part.nbytes])
+            else:
+                out[at : at + numel * dtype.itemsize].view(dtype).copy_(value.reshape(-1).to(dtype))
+        return out
+
+    def decode_into(self, raw: torch.Tensor, flat: torch.Tensor, flat_offsets: tuple[int, ...]) -> None:
+        """Every parameter from the unit's stored bytes `raw` into its place in `flat`."""
+        for part, at, numel, to in zip(self.parts, self.offsets, self.numels, flat_offsets, strict=True):
+            target = flat[to : to + numel]
+            if part is not None:
+                target.copy_(part.decode(raw[at : at + part.nbytes], flat.dtype).reshape(-1))
+            else:
+                target.copy_(raw[at : at + numel * flat.element_size()].view(flat.dtype))
+
+
+def quantize_units(units: list[FlatUnit], kind: str, double: bool, kept: set[nn.Module], elem: int,
+                   world: int) -> int:
+    """Mark each frozen unit holding the weight of an `nn.Linear` (not one in `kept`, nor tied) to
+    rest quantized; returns how many weights are. ValueError where none is: nothing would be."""
+    count = 0
+    for unit in units:
+        if not unit.frozen:
+            continue
+        flags = [len(slot.places) == 1 and slot.places[0][1] == "weight" and isinstance(slot.places[0][0], nn.Linear)
+                 and slot.places[0][0] not in kept for slot in unit.plan.slots]
+        if any(flags):
+            unit.store_quantized(QuantizedLayout.of([tuple(s.shape) for s in unit.plan.slots], flags, kind, double,
+                                                    elem, world))
+            count += sum(flags)
+    if not count:
+        raise ValueError(f"quantize={kind!r} stores frozen Linear weights quantized, and this model has none frozen "
+                         "(a full fine-tune trains them all): add LoRA adapters, or leave quantize unset.")
+    return count

@@ -1,0 +1,111 @@
+"""QLoRA in the tiers (runtime/quantized.py): the frozen base's Linear weights rest as bitsandbytes'
+4-bit codes and scales, bit for bit, and a LoRA run on them trains as plain transformers + peft +
+bitsandbytes QLoRA does (fp32, one rank); a resume derives the same codes again and continues
+exactly; the weights files are never written."""
+
+import os
+
+import pytest
+import torch
+from hf_models import deferred, save_model, token_batches
+from test_pretrained import HP, assert_close_losses, engine_steps, plain_steps
+
+import outcore
+from outcore.offload.file_source import file_checksum
+
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+transformers = pytest.importorskip("transformers")
+functional = pytest.importorskip("bitsandbytes.functional")
+
+LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+
+
+def _engine(directory, tmp_path, name, kind="nf4", double=True, params="nvme"):
+    config = outcore.Config(stage=3, offload_params=params, offload_optimizer="nvme", grad_clip=None,
+                            nvme_dir=str(tmp_path / f"nvme-{name}"), quantize=kind, quantize_double=double)
+    model = peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA))
+    return outcore.Engine(model, config, outcore.AdamW(**HP), weights=directory)
+
+
+def _reference(directory, kind="nf4", double=True):
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
+                                        bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=double)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q, dtype=torch.float32,
+                                                             device_map="cpu")
+    return peft.get_peft_model(base, peft.LoraConfig(**LORA)).train()
+
+
+@pytest.mark.parametrize("kind, double", [("nf4", True), ("nf4", False), ("fp4", False)])
+def test_the_stored_codes_and_scales_are_bitsandbytes_own_bit_for_bit(tmp_path, kind, double):
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = _engine(directory, tmp_path, "a", kind, double)
+    weights = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    quantized = [u for u in engine.units if u.quantized is not None]
+    assert quantized
+    checked = 0
+    for unit in quantized:
+        raw = engine.store.fetch_now(unit.param_key, outcore.Tier.HOST).clone()
+        engine.store.release(unit.param_key)
+        for slot, part, at in zip(unit.plan.slots, unit.quantized.parts, unit.quantized.offsets, strict=True):
+            name = slot.state_dict_names[0].replace("base_model.model.", "").replace(".base_layer", "")
+            if part is None:
+                continue
+            codes, state = functional.quantize_4bit(weights[name], blocksize=64, quant_type=kind,
+                                                    compress_statistics=double, quant_storage=torch.uint8)
+            mine = raw[at : at + part.nbytes]
+            assert torch.equal(mine[: codes.numel()], codes.reshape(-1))
+            absmax = state.absmax.reshape(-1)  # uint8 under double quantization, else fp32
+            assert torch.equal(part._split(mine)["absmax"].view(absmax.dtype), absmax)
+            assert torch.equal(part.decode(mine, torch.float32), functional.dequantize_4bit(codes, state))
+            checked += 1
+    assert checked == 7 * len([n for n in weights if n.endswith("mlp.down_proj.weight")])  # q k v o gate up down
+    engine.close()
+
+
+@pytest.mark.parametrize("params", ["nvme", "none"])
+def test_qlora_trains_as_transformers_peft_and_bitsandbytes_do(tmp_path, params):
+    directory = save_model("llama", str(tmp_path / "m"))
+    before = file_checksum(os.path.join(directory, "model.safetensors"))
+    engine = _engine(directory, tmp_path, "a", params=params)
+    ref = _reference(directory)
+    start = engine.full_state_dict()
+    ref.load_state_dict({k: v for k, v in start.items() if "lora_" in k}, strict=False)
+    x = token_batches(1)[0]
+    with torch.no_grad():  # in train mode (no dropout here): eval mode on an AVX512-BF16 CPU takes
+        # bitsandbytes' own bf16 inference kernel instead of the dequantized weight
+        torch.testing.assert_close(engine(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+    data = token_batches(4)
+    assert_close_losses(engine_steps(engine, data), plain_steps(ref, data), rel=1e-4)
+    ours = engine.full_state_dict()
+    theirs = ref.state_dict()
+    for k, v in ours.items():
+        if "lora_" in k:
+            torch.testing.assert_close(v, theirs[k], rtol=1e-3, atol=1e-5)
+    assert file_checksum(os.path.join(directory, "model.safetensors")) == before
+    engine.close()
+
+
+def test_a_resume_derives_the_same_codes_and_continues_exactly(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    data = token_batches(4)
+    engine = _engine(directory, tmp_path, "a")
+    engine_steps(engine, data[:2])
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "two")
+    expected = engine_steps(engine, data[2:])
+    engine.close()
+    resumed = _engine(directory, tmp_path, "b")
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert engine_steps(resumed, data[2:]) == expected
+    resumed.close()
+    other = _engine(directory, tmp_path, "c", kind="fp4", double=False)
+    with pytest.raises(ValueError, match="rests quantized as"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))
+    other.close()
+
+
+def test_quantize_with_nothing_frozen_is_refused(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    config = outcore.Config(quantize="nf4")
+    with pytest.raises(ValueError, match="has none frozen"):
+        outcore.Engine(deferred(directory), config, weights=directory)
