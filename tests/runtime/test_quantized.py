@@ -109,3 +109,27 @@ def test_quantize_with_nothing_frozen_is_refused(tmp_path):
     config = outcore.Config(quantize="nf4")
     with pytest.raises(ValueError, match="has none frozen"):
         outcore.Engine(deferred(directory), config, weights=directory)
+
+
+def test_two_gloo_ranks_equal_one_on_the_global_batch(tmp_path):
+    import json
+    import subprocess
+
+    from dist_quantized import qlora_engine
+    from launch import torchrun
+    from test_multirank import HERE
+
+    directory = save_model("llama", str(tmp_path / "m"))
+    out = str(tmp_path / "two.json")
+    cmd = [*torchrun(2, tmp_path), os.path.join(HERE, "dist_quantized.py"), directory, str(tmp_path / "nvme"), out]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    two = json.load(open(out))
+    one = qlora_engine(directory, str(tmp_path / "nvme-one"))
+    for x in token_batches(3, batch=4):  # the whole batch, which the two ranks halved
+        one.backward(one(input_ids=x, labels=x).loss)
+        one.step()
+    state = one.full_state_dict()
+    for k, v in two["lora"].items():  # (the halves' gradients summed in another order: fp32 rounding)
+        torch.testing.assert_close(state[k], torch.tensor(v), rtol=1e-4, atol=1e-5)
+    one.close()
