@@ -100,6 +100,7 @@ def _train(args: argparse.Namespace) -> int:
     opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora,
                         merge_adapters=args.merge_adapters, lora_alpha=args.lora_alpha,
                         lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
+                        quantize=args.quantize, quantize_double=args.quantize_double,
                         config=args.config,
                         steps=args.steps, data=args.data, chat_template=args.chat_template,
                         train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,

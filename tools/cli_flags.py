@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --lora: peft's init_lora_weights, computed as each layer's weights are read: gaussian, "
                    "pissa, pissa_niter_N, olora or orthogonal (default: A random, B zero)")
     t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora")
+    t.add_argument("--quantize", choices=("nf4", "fp4"), help="with --lora: QLoRA, the frozen base's Linear weights "
+                   "stored 4-bit in the tiers as bitsandbytes stores them (a quarter of bf16's bytes), dequantized "
+                   "as each block is used (needs the qlora extra)")
+    t.add_argument("--quantize-double", action="store_true",
+                   help="with --quantize: quantize the 4-bit weights' scales too (bitsandbytes' double quantization)")
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")

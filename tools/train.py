@@ -52,6 +52,8 @@ class TrainOptions:
     lora_targets: tuple[str, ...] | None = None  # with `lora`: the modules adapted (None: every linear one)
     lora_init: str | None = None  # with `lora`: peft's init_lora_weights (None: its default)
     dora: bool = False  # with `lora`: peft's use_dora
+    quantize: str | None = None  # with `lora`: the frozen base stored 4-bit (Config.quantize)
+    quantize_double: bool = False  # with `quantize`: its scales quantized too
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None
     data: str | None = None
@@ -114,7 +116,8 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device,
         "host_budget": opts.host_budget,
         "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
         "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer,
-        "collective_timeout": opts.collective_timeout}.items() if v is not None})
+        "collective_timeout": opts.collective_timeout, "quantize": opts.quantize,
+        "quantize_double": opts.quantize_double or None}.items() if v is not None})
     if not opts.config:
         values["grad_clip"] = opts.grad_clip
         if opts.dtype is None:
@@ -241,7 +244,7 @@ def _train(opts: TrainOptions, report) -> dict:
         raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
     for flag, given in (("--merge-adapters", opts.merge_adapters), ("--lora-alpha", opts.lora_alpha is not None),
                         ("--lora-targets", opts.lora_targets is not None), ("--lora-init", opts.lora_init is not None),
-                        ("--dora", opts.dora)):
+                        ("--dora", opts.dora), ("--quantize", opts.quantize is not None)):
         if given and opts.lora is None:
             raise ValueError(f"{flag} is a setting of LoRA adapters: give --model DIR and --lora R too.")
     for flag, given in (("--chat-template", opts.chat_template is not None),

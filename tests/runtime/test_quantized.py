@@ -28,12 +28,16 @@ def _engine(directory, tmp_path, name, kind="nf4", double=True, params="nvme"):
     return outcore.Engine(model, config, outcore.AdamW(**HP), weights=directory)
 
 
-def _reference(directory, kind="nf4", double=True):
+def _bnb_base(directory, kind="nf4", double=True):
+    """The base as a QLoRA user loads it: transformers with bitsandbytes' 4-bit Linear layers."""
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
                                         bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=double)
-    base = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q, dtype=torch.float32,
-                                                             device_map="cpu")
-    return peft.get_peft_model(base, peft.LoraConfig(**LORA)).train()
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q, dtype=torch.float32,
+                                                             device_map="cpu").train()
+
+
+def _reference(directory, kind="nf4", double=True):
+    return peft.get_peft_model(_bnb_base(directory, kind, double), peft.LoraConfig(**LORA)).train()
 
 
 @pytest.mark.parametrize("kind, double", [("nf4", True), ("nf4", False), ("fp4", False)])
@@ -133,3 +137,38 @@ def test_two_gloo_ranks_equal_one_on_the_global_batch(tmp_path):
     for k, v in two["lora"].items():  # (the halves' gradients summed in another order: fp32 rounding)
         torch.testing.assert_close(state[k], torch.tensor(v), rtol=1e-4, atol=1e-5)
     one.close()
+
+
+def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_4bit_base_in_peft(tmp_path):
+    import json
+
+    from hf_models import STORY, save_tokenizer
+
+    from outcore.tools.cli import main
+
+    directory = save_model("llama", str(tmp_path / "m"))
+    save_tokenizer(directory)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": STORY * 3}) + "\n" for _ in range(40)))
+    assert main(["train", "--model", directory, "--data", str(data), "--seq", "16", "--batch", "4", "--out",
+                 str(tmp_path / "run"), "--offload-params", "nvme", "--offload-optimizer", "nvme", "--dtype", "fp32",
+                 "--eval-batches", "1", "--lora", "8", "--steps", "12", "--lr", "3e-2", "--quantize", "nf4",
+                 "--quantize-double", "--json", str(tmp_path / "s.json")]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["config"]["quantize"] == "nf4" and s["config"]["quantize_double"] is True
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    x = tok(STORY * 3, return_tensors="pt").input_ids[:, :16]  # a row it trained on
+    base = _bnb_base(directory)
+    with torch.no_grad():
+        before = base(input_ids=x, labels=x).loss.item()
+    tuned = peft.PeftModel.from_pretrained(base, s["exported"]).train()
+    with torch.no_grad():
+        after = tuned(input_ids=x, labels=x).loss.item()
+    assert after < before - 0.1, (before, after)
+
+
+def test_quantize_needs_lora_on_the_command_line(tmp_path, capsys):
+    from outcore.tools.cli import main
+
+    assert main(["train", "--quantize", "nf4", "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    assert "--quantize is a setting of LoRA adapters" in capsys.readouterr().err
