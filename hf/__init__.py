@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 from outcore.offload.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
+    from outcore.hf.quantization import quantized_config as quantized_config
     from outcore.hf.sft_data import sft_dataset as sft_dataset
     from outcore.hf.trainer import Trainer as Trainer
     from outcore.hf.trainer import outcore_trainer as outcore_trainer
 
 _EXPORTS = {
+    "quantized_config": "outcore.hf.quantization",
     "sft_dataset": "outcore.hf.sft_data",
     "outcore_trainer": "outcore.hf.trainer",
     "Trainer": "outcore.hf.trainer",

@@ -37,6 +37,7 @@ from torch import nn
 
 from outcore.hf.adapter_init import draw_as_peft
 from outcore.hf.model_info import hf_checkpointing, is_peft
+from outcore.hf.quantization import quantized_config
 from outcore.hf.source import HFModel
 from outcore.hf.trainer_checkpoint import CHECKPOINT_SUBDIR, check_resumable, identity, new_run_id, write_identity
 from outcore.runtime.config import Config
@@ -115,6 +116,7 @@ class OutcoreTrainerMixin:
         said = refusals(args, kwargs)
         if said:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
+        quantization = _quantization(args, kwargs)
         weights = None
         if isinstance(model, (str, os.PathLike)):
             weights = os.path.abspath(os.fspath(model))
@@ -140,8 +142,8 @@ class OutcoreTrainerMixin:
         no_decay = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay)
         hp = AdamW(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                    eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay, no_decay=no_decay)
-        self.engine = Engine(self.model, engine_config(outcore_config or Config(), self.args), hp, weights=weights,
-                             seed=self.args.seed)
+        config = quantized_config(engine_config(outcore_config or Config(), self.args), quantization)
+        self.engine = Engine(self.model, config, hp, weights=weights, seed=self.args.seed)
 
     # -- the model stays where the engine puts it ---------------------------------------------------
 
@@ -272,6 +274,17 @@ class OutcoreTrainerMixin:
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
         log.info("loading the best checkpoint, %s", best)
         self.engine.load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR))
+
+
+def _quantization(args: Any, kwargs: dict[str, Any]) -> Any:
+    """The `BitsAndBytesConfig` given as the trainer's `quantization_config=` (taken out of `kwargs`:
+    the model the trainer underneath gets is built) or in `args.model_init_kwargs`; refused in both."""
+    given = kwargs.pop("quantization_config", None)
+    in_args = (getattr(args, "model_init_kwargs", None) or {}).get("quantization_config")
+    if given is not None and in_args is not None:
+        raise ValueError("quantization_config is given both to the trainer and in args.model_init_kwargs; give it "
+                         "once.")
+    return given if given is not None else in_args
 
 
 def _with_adapters(model: nn.Module, peft_config: Any, args: Any) -> nn.Module:

@@ -208,3 +208,43 @@ def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path, model_path,
     assert_close_rel(two["losses"], one_rank["losses"])
     two_sd, one_sd = (torch.load(r["weights"], weights_only=True) for r in (two, one_rank))
     assert_same_weights(two_sd, one_sd)
+
+
+@pytest.mark.parametrize("where", ["model_init_kwargs", "trainer"])
+def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tmp_path, where):
+    """`quantization_config` (a BitsAndBytesConfig) in `args.model_init_kwargs` or given to the trainer:
+    the base rests NF4 in outcore's tiers as bitsandbytes stores it, and the losses are plain QLoRA's."""
+    pytest.importorskip("bitsandbytes")
+    model_path = model_dir(str(tmp_path / "model"))
+    tok = transformers.AutoTokenizer.from_pretrained(model_path)
+    data = conversations()
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                        bnb_4bit_compute_dtype=torch.float32)
+
+    def run(cls, name, **extra):
+        init = {"dtype": torch.float32, **({"quantization_config": q} if where == "model_init_kwargs" else {})}
+        args = trainer_args(str(tmp_path / name), cls=trl.SFTConfig, learning_rate=1e-2, assistant_only_loss=True,
+                            max_length=32, model_init_kwargs=init)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        given = {"quantization_config": q} if where == "trainer" else {}
+        trainer = cls(model=model_path, args=args, train_dataset=data, processing_class=tok, peft_config=lora,
+                      **given, **extra)
+        trainer.train()
+        return trainer
+
+    plain = run(trl.SFTTrainer, "plain")
+    assert any(type(m).__name__ == "Linear4bit" for m in plain.model.modules())
+    ours = run(outcore_trainer(trl.SFTTrainer), "ours", outcore_config=nvme_config(str(tmp_path / "nvme")))
+    assert [u for u in ours.engine.units if u.quantized is not None]
+    assert ours.engine.config.quantize == "nf4" and ours.engine.config.quantize_double
+    assert_close_rel(logged(ours, "loss"), logged(plain, "loss"), rel=1e-4)
+    ours.engine.close()
+
+
+def test_a_quantization_the_engine_cannot_honour_is_refused_in_one_line(tmp_path, model_path):
+    pytest.importorskip("bitsandbytes")
+    q = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    with pytest.raises(ValueError, match="load_in_8bit=True") as e:
+        outcore.hf.Trainer(model=model_path, args=trainer_args(str(tmp_path / "run")), train_dataset=TokenRows(),
+                           quantization_config=q, outcore_config=nvme_config(str(tmp_path / "nvme")))
+    assert "\n" not in str(e.value)
