@@ -179,6 +179,8 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
         materialize_unit(unit.plan, family, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
                          read_base=read_base, initializers=heads)
         spans = None
+        if pretrained is not None and unit.quantized is not None:  # what an export writes of it
+            unit.original = _in_place(unit, pretrained, read_in)[0]
         if (pretrained is not None and unit.frozen and place.param_tier == Tier.NVME and not unit.resident
                 and unit.quantized is None):
             spans, why = _in_place(unit, pretrained, read_in)

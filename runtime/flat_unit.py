@@ -132,6 +132,9 @@ class FlatUnit:
         self.in_place: UnitSpans | None = None
         # A frozen unit stored quantized: its bytes' layout (runtime/quantized.py [Note: quantized frozen units])
         self.quantized: QuantizedLayout | None = None
+        # ... and its spans of the unquantized weights files it was quantized from, where it has them:
+        # what an export writes of it (`exported_values`)
+        self.original: UnitSpans | None = None
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
         # One leaf for the life of the unit (hooks stay on it); its storage comes and goes.
@@ -316,6 +319,15 @@ class FlatUnit:
             return  # the update wrote into the shard, which is the flat buffer
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat):
             self._gather_into(self.flat)
+
+    def exported_values(self) -> torch.Tensor:
+        """What an export writes of the unit: a quantized unit's original weights where it was quantized
+        from files that hold them (its codes only approximate them), else `full_values()`."""
+        if self.original is None:
+            return self.full_values()
+        full = torch.empty(self.layout.padded, dtype=self.dtype)
+        self.original.source(0, self.layout.padded).read_into(full)
+        return full
 
     def full_values(self) -> torch.Tensor:
         """The whole unit's parameters gathered into a new buffer (for state dicts and export)."""

@@ -28,12 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def _unit_tensors(sm: ShardedModel, units: list[FlatUnit] | None = None, *,
-                  copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                  copy: bool = True, exported: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict name, CPU tensor) for every parameter, one unit gathered at a time. Without
     `copy`, on CPU, the tensors are views of the unit's gathered buffer (a new one, which
-    `full_values` gives): for a caller that is done with them before it asks for the next unit."""
+    `full_values` gives): for a caller that is done with them before it asks for the next unit.
+    `exported`: what an export writes (`FlatUnit.exported_values`: a quantized base's originals)."""
     for u in sm.units if units is None else units:
-        full = u.full_values()
+        full = u.exported_values() if exported else u.full_values()
         for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True):
             value = full[off : off + slot.numel].view(slot.shape).to("cpu", copy=copy)
             for name in slot.state_dict_names:
@@ -115,7 +116,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
             writer = (SafetensorsWriter(target, entries, metadata) if one_file
                       else ShardedSafetensorsWriter(target, entries, max_shard_size, metadata))
             rank0.callback(writer.abort)
-        tensors = _unit_tensors(sm, copy=False) if merge is None else _merged_tensors(sm, merge)
+        tensors = _unit_tensors(sm, copy=False, exported=True) if merge is None else _merged_tensors(sm, merge)
         for name, value in tensors:
             if writer is not None and name in wanted:
                 writer.write(name, value)
@@ -138,7 +139,7 @@ def _merged_tensors(sm: ShardedModel, merge: TensorMerge) -> Iterator[tuple[str,
         end = start + 1
         while end < len(units) and units[end].plan.module is units[start].plan.module:
             end += 1
-        tensors = dict(_unit_tensors(sm, units[start:end], copy=False))
+        tensors = dict(_unit_tensors(sm, units[start:end], copy=False, exported=True))
         for name in tensors:
             if name in merge.renamed:
                 yield merge.renamed[name], merge.merged(name, tensors)

@@ -153,15 +153,23 @@ def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_4bit_base_in_peft(tmp_p
     assert main(["train", "--model", directory, "--data", str(data), "--seq", "16", "--batch", "4", "--out",
                  str(tmp_path / "run"), "--offload-params", "nvme", "--offload-optimizer", "nvme", "--dtype", "fp32",
                  "--eval-batches", "1", "--lora", "8", "--steps", "12", "--lr", "3e-2", "--quantize", "nf4",
-                 "--quantize-double", "--json", str(tmp_path / "s.json")]) == 0
+                 "--quantize-double", "--merge-adapters", "--json", str(tmp_path / "s.json")]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["config"]["quantize"] == "nf4" and s["config"]["quantize_double"] is True
+    adapters = str(tmp_path / "run" / "adapters")
+    # the merged export: the adapters merged into the original weights (the codes only approximate them)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(s["exported"])
+    assert all(v.dtype == torch.float32 for v in merged.state_dict().values())
+    by_peft = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                             adapters).merge_and_unload()
+    for k, v in by_peft.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[k], v, rtol=1e-6, atol=1e-6)
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     x = tok(STORY * 3, return_tensors="pt").input_ids[:, :16]  # a row it trained on
     base = _bnb_base(directory)
     with torch.no_grad():
         before = base(input_ids=x, labels=x).loss.item()
-    tuned = peft.PeftModel.from_pretrained(base, s["exported"]).train()
+    tuned = peft.PeftModel.from_pretrained(base, adapters).train()
     with torch.no_grad():
         after = tuned(input_ids=x, labels=x).loss.item()
     assert after < before - 0.1, (before, after)
@@ -172,3 +180,16 @@ def test_quantize_needs_lora_on_the_command_line(tmp_path, capsys):
 
     assert main(["train", "--quantize", "nf4", "--steps", "1", "--out", str(tmp_path / "run")]) == 2
     assert "--quantize is a setting of LoRA adapters" in capsys.readouterr().err
+
+
+def test_generate_runs_through_the_quantized_base_as_bitsandbytes_does(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = _engine(directory, tmp_path, "a")
+    ref = _reference(directory)
+    ref.load_state_dict({k: v for k, v in engine.full_state_dict().items() if "lora_" in k}, strict=False)
+    x = token_batches(1, batch=1)[0][:, :6]
+    with torch.no_grad():
+        ours = engine.module.generate(input_ids=x, max_new_tokens=5, do_sample=False)
+        theirs = ref.generate(input_ids=x, max_new_tokens=5, do_sample=False)  # (train mode: no packed kernel)
+    assert torch.equal(ours, theirs)
+    engine.close()
