@@ -49,7 +49,7 @@ from outcore.runtime.model_family import family_of
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.quantized import quantize_units
+from outcore.runtime.quantized import quantized_layouts
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
@@ -112,14 +112,18 @@ class Engine:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
         pretrained = check_pretrained(None if weights is None else os.fspath(weights), self.family, plans)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
+        # frozen units stored quantized: runtime/quantized.py [Note: quantized frozen units]
+        self._quantized = ([None] * len(plans) if config.quantize is None else quantized_layouts(
+            plans, config.quantize, config.quantize_double, self.family.kept_whole(), self.policy.elem,
+            self.group.world))
         self.store, self.place, read_ahead, self._owned_dir = open_store(
-            config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy),
+            config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy, self._quantized),
             frozen_in_files=pretrained is not None)
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
-        if config.quantize is not None:  # runtime/quantized.py [Note: quantized frozen units]
-            quantize_units(self.units, config.quantize, config.quantize_double, self.family.kept_whole(),
-                           self.policy.elem, self.group.world)
+        for unit, quantized in zip(self.units, self._quantized, strict=True):
+            if quantized is not None:
+                unit.store_quantized(quantized)
         rounding = StochasticRounding(seed + self.group.rank) if self.policy.state_dtype == "bf16" else None
         self.updates = UpdateStream(self.units, self.store, self.place, self.hp,
                                     read_ahead=read_ahead, nice=config.io.nice, rounding=rounding)
@@ -416,7 +420,7 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy), self.policy,
+        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy, self._quantized), self.policy,
                            frozen_in_files=any(u.in_place is not None for u in self.units))
         return plan.placed(self.place.kept)
 

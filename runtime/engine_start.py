@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +34,7 @@ from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
+from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.sharded_model import AnchorParameter
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
@@ -84,10 +85,12 @@ def _kind(value: Any) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def shapes_of(plans: list[UnitPlan], policy: StatePolicy) -> list[UnitShape]:
-    """The units' sizes as the memory plan counts them."""
+def shapes_of(plans: list[UnitPlan], policy: StatePolicy,
+              quantized: Sequence[QuantizedLayout | None] | None = None) -> list[UnitShape]:
+    """The units' sizes as the memory plan counts them (a quantized unit's shard: its bytes)."""
     numels, layout = plan_layout(plans)
-    return unit_shapes(numels, policy, **layout)
+    stored = None if quantized is None else [None if q is None else q.shard for q in quantized]
+    return unit_shapes(numels, policy, stored=stored, **layout)
 
 
 def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: int,

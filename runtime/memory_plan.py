@@ -48,11 +48,12 @@ class UnitShape:
     root: bool = False  # the root unit or its frozen sibling: gathered from first forward to last backward
     module: int = 0  # units of one module (a unit and its frozen sibling) share it: gathered together
     outer: bool = False  # a large module outside the blocks (an untied head, an embedding)
+    stored: int | None = None  # bytes of the shard as stored, where not `shard` elements (a quantized unit)
 
 
 def unit_shapes(numels: list[int], policy: StatePolicy, *, frozen: list[bool] | None = None,
                 roots: list[bool] | None = None, modules: list[int] | None = None,
-                outer: list[bool] | None = None) -> list[UnitShape]:
+                outer: list[bool] | None = None, stored: list[int | None] | None = None) -> list[UnitShape]:
     """Shapes of units of `numels` parameters each. Without `roots`, the last unit is the root's;
     without `modules`, every unit is a module of its own (no frozen siblings); without `outer`, no
     unit is a large module outside the blocks."""
@@ -61,10 +62,11 @@ def unit_shapes(numels: list[int], policy: StatePolicy, *, frozen: list[bool] | 
     roots = roots or [i == n - 1 for i in range(n)]
     modules = modules or list(range(n))
     outer = outer or [False] * n
+    stored = stored or [None] * n
     out = []
-    for numel, fz, root, module, big in zip(numels, frozen, roots, modules, outer, strict=True):
+    for numel, fz, root, module, big, nbytes in zip(numels, frozen, roots, modules, outer, stored, strict=True):
         padded = padded_numel(numel, policy.world, policy.elem)
-        out.append(UnitShape(padded // policy.world, padded, fz, root, module, big))
+        out.append(UnitShape(padded // policy.world, padded, fz, root, module, big, nbytes))
     return out
 
 
@@ -196,7 +198,10 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
     chunk = max((size for ss in sizes for size, _ in ss), default=0)
     n_chunks = sum(n for ss in sizes for _, n in ss)
 
-    param_all = sum(_pages(u.shard * elem) for u in units)  # one key per unit
+    def stored(u: UnitShape) -> int:
+        return u.stored if u.stored is not None else u.shard * elem
+
+    param_all = sum(_pages(stored(u)) for u in units)  # one key per unit
     unit_states = tuple(0 if u.frozen else _chunk_pages(policy.chunk_sizes(u.shard), state_elem) for u in units)
     state_all = sum(unit_states)
     grad_all = sum(_chunk_pages(ss, 4) for ss in sizes)
@@ -208,7 +213,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
     per_unit = overlapped and policy.grad_accumulation == 1
     if per_unit:
         grad_all = max((_chunk_pages(ss, 4) for ss in sizes), default=0)
-    largest_unit = max(_pages(u.shard * elem) for u in units)
+    largest_unit = max(_pages(stored(u)) for u in units)
     full = [_pages(u.padded * elem) for u in units]
     # ZeRO-3 holds the root unit (outside the repeated blocks, needed from the first forward to the
     # last backward) and, in backward, the unit computing and the one whose output gradient it made
@@ -229,7 +234,7 @@ def plan_memory(units: list[UnitShape], policy: StatePolicy, *, frozen_in_files:
     where = {"none": dev, "cpu": host, "nvme": nvme}
     where[params_on]["states"] += param_all
     if params_on == "nvme" and frozen_in_files:
-        nvme["states"] -= sum(_pages(u.shard * elem) for u in units if u.frozen)
+        nvme["states"] -= sum(_pages(u.shard * elem) for u in units if u.frozen and u.stored is None)
     where[opt_on]["states"] += state_all
 
     if params_on == "none":

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from outcore.runtime.flat_unit import FlatUnit
+    from outcore.runtime.units import UnitPlan
 
 BLOCK = 64  # elements a 4-bit scale covers (bitsandbytes' blocksize, as transformers loads QLoRA bases)
 NESTED_BLOCK = 256  # scales a nested scale covers under double quantization
@@ -171,21 +171,24 @@ class QuantizedLayout:
                 target.copy_(raw[at : at + numel * flat.element_size()].view(flat.dtype))
 
 
-def quantize_units(units: list[FlatUnit], kind: str, double: bool, kept: set[nn.Module], elem: int,
-                   world: int) -> int:
-    """Mark each frozen unit holding the weight of an `nn.Linear` (not one in `kept`, nor tied) to
-    rest quantized; returns how many weights are. ValueError where none is: nothing would be."""
-    count = 0
-    for unit in units:
-        if not unit.frozen:
-            continue
-        flags = [len(slot.places) == 1 and slot.places[0][1] == "weight" and isinstance(slot.places[0][0], nn.Linear)
-                 and slot.places[0][0] not in kept for slot in unit.plan.slots]
-        if any(flags):
-            unit.store_quantized(QuantizedLayout.of([tuple(s.shape) for s in unit.plan.slots], flags, kind, double,
-                                                    elem, world))
-            count += sum(flags)
-    if not count:
+def bytes_per_weight(kind: str, double: bool) -> float:
+    """Stored bytes a quantized weight's element takes, its scales included (`QuantizedWeight.nbytes`
+    per element, for a large weight)."""
+    return 0.5 + (1 / BLOCK + 4 / (BLOCK * NESTED_BLOCK) if double else 4 / BLOCK)
+
+
+def quantized_layouts(plans: list[UnitPlan], kind: str, double: bool, kept: set[nn.Module], elem: int,
+                      world: int) -> list[QuantizedLayout | None]:
+    """For each unit plan, the layout of its stored bytes where it is frozen and holds the weight
+    of an `nn.Linear` (not one in `kept`, nor a tied one), else None. ValueError where no unit
+    would be quantized."""
+    out: list[QuantizedLayout | None] = []
+    for plan in plans:
+        flags = [plan.frozen and len(slot.places) == 1 and slot.places[0][1] == "weight"
+                 and isinstance(slot.places[0][0], nn.Linear) and slot.places[0][0] not in kept for slot in plan.slots]
+        out.append(QuantizedLayout.of([tuple(s.shape) for s in plan.slots], flags, kind, double, elem, world)
+                   if any(flags) else None)
+    if not any(out):
         raise ValueError(f"quantize={kind!r} stores frozen Linear weights quantized, and this model has none frozen "
                          "(a full fine-tune trains them all): add LoRA adapters, or leave quantize unset.")
-    return count
+    return out

@@ -135,7 +135,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from outcore.hf.source import HFModel
-    from outcore.tools.estimate import estimate_table, hf_dims, legal_settings, train_batch_activations
+    from outcore.tools.estimate import (
+        estimate_table,
+        hf_dims,
+        legal_settings,
+        quantized_stored,
+        train_batch_activations,
+    )
     from outcore.tools.estimate_report import activation_rows_printed, predicted_step
     from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
     from outcore.tools.report import table, write_json
@@ -145,6 +151,8 @@ def _estimate(args: argparse.Namespace) -> int:
     try:
         if args.lora_targets is not None and args.lora is None:
             raise ValueError("--lora-targets names the modules LoRA adapts: give --lora R too.")
+        if (args.quantize is not None or args.quantize_double) and args.lora is None:
+            raise ValueError("--quantize sizes a frozen base stored 4-bit: give --model DIR and --lora R too.")
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
             dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)
@@ -160,6 +168,10 @@ def _estimate(args: argparse.Namespace) -> int:
             what = (f"{args.model} + LoRA r={args.lora} ({human_count(sum(units))} parameters, "
                     f"{human_count(trained)} trained)")
             layout["frozen_in_files"] = True  # the base is read from its weights files, never the swap file
+            if args.quantize is not None:  # ... or its quantized blocks from the swap file
+                layout["stored"] = quantized_stored(units, layout, args.world_size, args.quantize,
+                                                    args.quantize_double)
+                what += f", the base {args.quantize}"
         else:
             source = resolve_model(args.model, causal_only=False)
             units, layout = source_layout(source)

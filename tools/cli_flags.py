@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
                    "linear layer, the rest frozen (no gradient or optimizer state)")
     _lora_targets(e)
+    e.add_argument("--quantize", choices=("nf4", "fp4"), help="with --lora: the frozen base stored 4-bit in the "
+                   "tiers (Config.quantize): its block weights counted at their stored bytes")
+    e.add_argument("--quantize-double", action="store_true", help="with --quantize: the scales quantized too")
     e.add_argument("--world-size", type=positive_int, default=1,
                    help="data-parallel ranks the states are sharded over (default 1)")
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")

@@ -7,8 +7,11 @@ device), a GPT of about that size for `--params`.
 
 from __future__ import annotations
 
+import math
+
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory, unit_shapes
 from outcore.runtime.policy import DTYPES, OFFLOADS, StatePolicy
+from outcore.runtime.quantized import bytes_per_weight
 
 
 def legal_settings(stage: int | None = None, offload_params: str | None = None,
@@ -28,7 +31,7 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
              sub_group_size: int = 1 << 22, grad_clip: float | None = 1.0, device: str = "cuda",
              grad_accumulation: int = 1, frozen: list[bool] | None = None, roots: list[bool] | None = None,
              modules: list[int] | None = None, outer: list[bool] | None = None,
-             frozen_in_files: bool = False) -> MemoryPlan:
+             frozen_in_files: bool = False, stored: list[int | None] | None = None) -> MemoryPlan:
     """Per-rank bytes per tier for units of these sizes (parameters per unit, root unit last, or as
     `roots` says; `frozen` units have no gradient or optimizer state, `modules` pairs a unit with
     its frozen sibling, `outer` marks large modules outside the blocks: `unit_layout` in
@@ -36,15 +39,28 @@ def estimate(unit_numels: list[int], *, world: int = 1, dtype: str = "bf16", sta
     Without clipping (and not fp16) the engine updates each unit during backward, so gradients of
     one unit at a time are held instead of all of them. `device`: "cuda" or "cpu" (DEVICE is RAM too,
     and the whole prefetch window is on it). `frozen_in_files`: frozen units on NVMe are read from
-    the model's weights files, not the swap file (a LoRA base: runtime/frozen_in_place.py)."""
+    the model's weights files, not the swap file (a LoRA base: runtime/frozen_in_place.py). `stored`:
+    a unit's shard in bytes where it is not its elements' (a quantized base: `quantized_stored`)."""
     policy = StatePolicy(world=world, stage=stage, offload_params=offload_params,
                          offload_optimizer=offload_optimizer, dtype=dtype, device_type=device,
                          prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
                          clipping=grad_clip is not None, grad_accumulation=grad_accumulation,
                          state_dtype=state_dtype)
-    plan = plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules, outer=outer),
-                       policy, frozen_in_files=frozen_in_files)
+    plan = plan_memory(unit_shapes(unit_numels, policy, frozen=frozen, roots=roots, modules=modules, outer=outer,
+                                   stored=stored), policy, frozen_in_files=frozen_in_files)
     return plan.at_default_budgets()
+
+
+def quantized_stored(unit_numels: list[int], layout: dict, world: int, kind: str, double: bool) -> list[int | None]:
+    """Each unit's stored shard bytes under `Config.quantize` (runtime/quantized.py): the frozen units
+    of the blocks quantized whole (their norms are a rounding error), the root's and the large modules
+    outside the blocks (embeddings, the head) left in the compute dtype; None for the others."""
+    per = bytes_per_weight(kind, double)
+    frozen = layout.get("frozen") or [False] * len(unit_numels)
+    roots = layout.get("roots") or [i == len(unit_numels) - 1 for i in range(len(unit_numels))]
+    outer = layout.get("outer") or [False] * len(unit_numels)
+    return [math.ceil(n / world * per) if f and not r and not o else None
+            for n, f, r, o in zip(unit_numels, frozen, roots, outer, strict=True)]
 
 
 def hf_dims(config) -> tuple[int, int, int, int]:

@@ -193,3 +193,25 @@ def test_generate_runs_through_the_quantized_base_as_bitsandbytes_does(tmp_path)
         theirs = ref.generate(input_ids=x, max_new_tokens=5, do_sample=False)  # (train mode: no packed kernel)
     assert torch.equal(ours, theirs)
     engine.close()
+
+
+def test_the_memory_plan_and_estimate_count_the_quantized_bytes(tmp_path, capsys):
+    import json
+
+    from outcore.tools.cli import main
+
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = _engine(directory, tmp_path, "a")
+    plan = engine.memory_plan()
+    stored = sum(u.quantized.shard for u in engine.units if u.quantized is not None)
+    assert engine.stats()["nvme"]["bytes"] <= plan.nvme.states and stored <= plan.nvme.states
+    engine.close()
+    rows = {}
+    for q in ([], ["--quantize", "nf4", "--quantize-double"]):
+        out = tmp_path / f"e{len(q)}.json"
+        assert main(["estimate", "--model", directory, "--lora", "4", "--stage", "3", "--offload-params", "none",
+                     "--offload-optimizer", "none", "--json", str(out), *q]) == 0
+        rows[bool(q)] = json.loads(out.read_text())["rows"][0]["device"]["states"]
+    assert rows[True] < rows[False]  # (the tiny model's embeddings, head and page rounding weigh most here)
+    assert main(["estimate", "--model", directory, "--quantize", "nf4"]) == 2
+    assert "--lora R" in capsys.readouterr().err
