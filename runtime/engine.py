@@ -114,8 +114,8 @@ class Engine:
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         # frozen units stored quantized: runtime/quantized.py [Note: quantized frozen units]
         self._quantized = ([None] * len(plans) if config.quantize is None else quantized_layouts(
-            plans, config.quantize, config.quantize_double, self.family.kept_whole(), self.policy.elem,
-            self.group.world))
+            plans, config.quantize, config.quantize_double, self.family.kept_whole(),
+            lambda _slot: self.policy.torch_dtype, self.group.world))
         self.store, self.place, read_ahead, self._owned_dir = open_store(
             config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy, self._quantized),
             frozen_in_files=pretrained is not None)

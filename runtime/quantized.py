@@ -19,6 +19,7 @@ same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from outcore.runtime.units import UnitPlan
+    from outcore.runtime.units import ParamSlot, UnitPlan
 
 BLOCK = 64  # elements a 4-bit scale covers (bitsandbytes' blocksize, as transformers loads QLoRA bases)
 NESTED_BLOCK = 256  # scales a nested scale covers under double quantization
@@ -48,7 +49,10 @@ def _bnb():  # imported where used: bitsandbytes is the `qlora` extra
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """One weight's stored bytes: [codes | code table | scales], each part 4-byte aligned."""
+    """One weight's stored bytes: [codes | code table | scales], each part 4-byte aligned, in the
+    order and sizes of the tensors bitsandbytes saves for it (`weight`, `.quant_map`, `.absmax`,
+    and under double quantization `.nested_absmax` and `.nested_quant_map`); the offset of the
+    nested scales, a number in bitsandbytes' saved state, is kept beside (`QuantizedLayout`)."""
 
     shape: tuple[int, ...]
     kind: str  # "nf4" or "fp4"
@@ -65,110 +69,114 @@ class QuantizedWeight:
     def blocks(self) -> int:
         return -(-self.numel // BLOCK)
 
-    @property
-    def _parts(self) -> list[tuple[str, int]]:
-        """(name, bytes) in the order stored."""
-        parts = [("codes", -(-self.numel // 2)), ("code", 16 * 4)]
+    def parts(self) -> list[tuple[str, int, int]]:
+        """(name, byte offset within the weight's bytes, bytes) of each part, in the order stored."""
+        sizes = [("codes", -(-self.numel // 2)), ("code", 16 * 4)]
         if self.double:
             nested = -(-self.blocks // NESTED_BLOCK)
-            parts += [("absmax", self.blocks), ("nested_absmax", nested * 4), ("offset", 4),
-                      ("nested_code", 256 * 4)]
+            sizes += [("absmax", self.blocks), ("nested_absmax", nested * 4), ("nested_code", 256 * 4)]
         else:
-            parts.append(("absmax", self.blocks * 4))
-        return parts
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_aligned(n) for _, n in self._parts)
-
-    def _split(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, at = {}, 0
-        for name, n in self._parts:
-            out[name] = raw[at : at + n]
+            sizes.append(("absmax", self.blocks * 4))
+        out, at = [], 0
+        for name, n in sizes:
+            out.append((name, at, n))
             at += _aligned(n)
         return out
 
-    def encode(self, weight: torch.Tensor, out: torch.Tensor) -> None:
-        """`weight` (this shape) quantized into `out` (uint8, `nbytes`), as bitsandbytes quantizes it."""
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(n) for _, _, n in self.parts())
+
+    def _split(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: raw[at : at + n] for name, at, n in self.parts()}
+
+    def encode(self, weight: torch.Tensor, out: torch.Tensor) -> float | None:
+        """`weight` (this shape) quantized into `out` (uint8, `nbytes`), as bitsandbytes quantizes it;
+        returns the nested scales' offset (None without double quantization)."""
         codes, state = _bnb().quantize_4bit(weight.detach().float().contiguous(), blocksize=BLOCK,
                                             quant_type=self.kind, compress_statistics=self.double,
                                             quant_storage=torch.uint8)
         parts = self._split(out)
         parts["codes"].copy_(codes.reshape(-1).view(torch.uint8))
         parts["code"].view(torch.float32).copy_(state.code.float())
-        if self.double:
-            parts["absmax"].copy_(state.absmax.view(torch.uint8))
-            parts["nested_absmax"].view(torch.float32).copy_(state.state2.absmax.float())
-            parts["offset"].view(torch.float32).copy_(torch.as_tensor(state.offset, dtype=torch.float32).reshape(1))
-            parts["nested_code"].view(torch.float32).copy_(state.state2.code.float())
-        else:
+        if not self.double:
             parts["absmax"].view(torch.float32).copy_(state.absmax.float())
+            return None
+        parts["absmax"].copy_(state.absmax.view(torch.uint8))
+        parts["nested_absmax"].view(torch.float32).copy_(state.state2.absmax.float())
+        parts["nested_code"].view(torch.float32).copy_(state.state2.code.float())
+        return float(state.offset)
 
-    def decode(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype, offset: float | None) -> torch.Tensor:
         """The weight's values (this shape, `dtype`) from its stored bytes, on `raw`'s device."""
         functional = _bnb()
         parts = self._split(raw)
         nested = None
-        offset = None
         if self.double:
             nested = functional.QuantState(absmax=parts["nested_absmax"].view(torch.float32),
                                            code=parts["nested_code"].view(torch.float32), blocksize=NESTED_BLOCK,
                                            dtype=torch.float32)
-            offset = parts["offset"].view(torch.float32)[0]
             absmax = parts["absmax"]
         else:
             absmax = parts["absmax"].view(torch.float32)
-        state = functional.QuantState(absmax=absmax, shape=torch.Size(self.shape),
-                                      code=parts["code"].view(torch.float32), blocksize=BLOCK, quant_type=self.kind,
-                                      dtype=dtype, offset=offset, state2=nested)
+        state = functional.QuantState(
+            absmax=absmax, shape=torch.Size(self.shape), code=parts["code"].view(torch.float32), blocksize=BLOCK,
+            quant_type=self.kind, dtype=dtype, state2=nested,
+            offset=None if offset is None else torch.tensor(offset, dtype=torch.float32, device=raw.device))
         return functional.dequantize_4bit(parts["codes"].reshape(-1, 1), state)
 
 
 @dataclass(frozen=True)
 class QuantizedLayout:
     """A frozen unit's stored bytes: each parameter's part (a `QuantizedWeight`, or None for one
-    kept in the compute dtype) at its byte offset; padded and split into equal shards, as a flat
-    buffer is."""
+    kept whole, stored in `plain_dtypes`) at its byte offset; padded and split into equal shards, as
+    a flat buffer is. `scale_offsets`: each quantized weight's nested-scales offset, set as it is
+    quantized or read from bitsandbytes' saved state."""
 
     parts: tuple[QuantizedWeight | None, ...]
+    plain_dtypes: tuple[torch.dtype, ...]
     numels: tuple[int, ...]
     offsets: tuple[int, ...]
     padded: int
     shard: int
+    scale_offsets: list[float | None]
 
     @classmethod
     def of(cls, shapes: list[tuple[int, ...]], quantized: list[bool], kind: str, double: bool,
-           elem: int, world: int) -> QuantizedLayout:
+           plain_dtypes: list[torch.dtype], world: int) -> QuantizedLayout:
         parts, numels, offsets, at = [], [], [], 0
-        for shape, q in zip(shapes, quantized, strict=True):
-            part = QuantizedWeight(tuple(shape), kind, double) if q else None
-            numel = QuantizedWeight(tuple(shape), kind, double).numel
+        for shape, q, dtype in zip(shapes, quantized, plain_dtypes, strict=True):
+            whole = QuantizedWeight(tuple(shape), kind, double)
+            part = whole if q else None
             offsets.append(at)
             parts.append(part)
-            numels.append(numel)
-            at += _aligned(part.nbytes if part is not None else numel * elem)
+            numels.append(whole.numel)
+            at += _aligned(part.nbytes if part is not None else whole.numel * dtype.itemsize)
         grain = world * _ALIGN * 128  # equal shards of whole 512-byte pieces
         padded = -(-max(at, 1) // grain) * grain
-        return cls(tuple(parts), tuple(numels), tuple(offsets), padded, padded // world)
+        return cls(tuple(parts), tuple(plain_dtypes), tuple(numels), tuple(offsets), padded, padded // world,
+                   [None] * len(parts))
 
-    def encode(self, values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def encode(self, values: list[torch.Tensor]) -> torch.Tensor:
         """The unit's stored bytes from its parameters' values (in slot order)."""
         out = torch.zeros(self.padded, dtype=torch.uint8)
-        for part, value, at, numel in zip(self.parts, values, self.offsets, self.numels, strict=True):
+        for i, (part, value, at, numel, dtype) in enumerate(zip(self.parts, values, self.offsets, self.numels,
+                                                                 self.plain_dtypes, strict=True)):
             if part is not None:
-                part.encode(value, out[at : at + part.nbytes])
+                self.scale_offsets[i] = part.encode(value, out[at : at + part.nbytes])
             else:
                 out[at : at + numel * dtype.itemsize].view(dtype).copy_(value.reshape(-1).to(dtype))
         return out
 
     def decode_into(self, raw: torch.Tensor, flat: torch.Tensor, flat_offsets: tuple[int, ...]) -> None:
         """Every parameter from the unit's stored bytes `raw` into its place in `flat`."""
-        for part, at, numel, to in zip(self.parts, self.offsets, self.numels, flat_offsets, strict=True):
+        for part, at, numel, to, dtype, offset in zip(self.parts, self.offsets, self.numels, flat_offsets,
+                                                       self.plain_dtypes, self.scale_offsets, strict=True):
             target = flat[to : to + numel]
             if part is not None:
-                target.copy_(part.decode(raw[at : at + part.nbytes], flat.dtype).reshape(-1))
+                target.copy_(part.decode(raw[at : at + part.nbytes], flat.dtype, offset).reshape(-1))
             else:
-                target.copy_(raw[at : at + numel * flat.element_size()].view(flat.dtype))
+                target.copy_(raw[at : at + numel * dtype.itemsize].view(dtype))
 
 
 def bytes_per_weight(kind: str, double: bool) -> float:
@@ -177,17 +185,17 @@ def bytes_per_weight(kind: str, double: bool) -> float:
     return 0.5 + (1 / BLOCK + 4 / (BLOCK * NESTED_BLOCK) if double else 4 / BLOCK)
 
 
-def quantized_layouts(plans: list[UnitPlan], kind: str, double: bool, kept: set[nn.Module], elem: int,
-                      world: int) -> list[QuantizedLayout | None]:
+def quantized_layouts(plans: list[UnitPlan], kind: str, double: bool, kept: set[nn.Module],
+                      plain_dtype: Callable[[ParamSlot], torch.dtype], world: int) -> list[QuantizedLayout | None]:
     """For each unit plan, the layout of its stored bytes where it is frozen and holds the weight
-    of an `nn.Linear` (not one in `kept`, nor a tied one), else None. ValueError where no unit
-    would be quantized."""
+    of an `nn.Linear` (not one in `kept`, nor a tied one), else None; `plain_dtype`: what each other
+    parameter of such a unit is stored in. ValueError where no unit would be quantized."""
     out: list[QuantizedLayout | None] = []
     for plan in plans:
         flags = [plan.frozen and len(slot.places) == 1 and slot.places[0][1] == "weight"
                  and isinstance(slot.places[0][0], nn.Linear) and slot.places[0][0] not in kept for slot in plan.slots]
-        out.append(QuantizedLayout.of([tuple(s.shape) for s in plan.slots], flags, kind, double, elem, world)
-                   if any(flags) else None)
+        out.append(QuantizedLayout.of([tuple(s.shape) for s in plan.slots], flags, kind, double,
+                                      [plain_dtype(s) for s in plan.slots], world) if any(flags) else None)
     if not any(out):
         raise ValueError(f"quantize={kind!r} stores frozen Linear weights quantized, and this model has none frozen "
                          "(a full fine-tune trains them all): add LoRA adapters, or leave quantize unset.")

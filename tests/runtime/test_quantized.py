@@ -61,7 +61,8 @@ def test_the_stored_codes_and_scales_are_bitsandbytes_own_bit_for_bit(tmp_path, 
             assert torch.equal(mine[: codes.numel()], codes.reshape(-1))
             absmax = state.absmax.reshape(-1)  # uint8 under double quantization, else fp32
             assert torch.equal(part._split(mine)["absmax"].view(absmax.dtype), absmax)
-            assert torch.equal(part.decode(mine, torch.float32), functional.dequantize_4bit(codes, state))
+            offset = unit.quantized.scale_offsets[unit.plan.slots.index(slot)]
+            assert torch.equal(part.decode(mine, torch.float32, offset), functional.dequantize_4bit(codes, state))
             checked += 1
     assert checked == 7 * len([n for n in weights if n.endswith("mlp.down_proj.weight")])  # q k v o gate up down
     engine.close()
