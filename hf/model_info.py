@@ -69,7 +69,13 @@ def hf_config_writer(model: nn.Module) -> Callable[[str], None] | None:
 
     def write(directory: str) -> None:
         config.architectures = [type(model).__name__]  # type: ignore[attr-defined]  # as save_pretrained sets it
-        config.save_pretrained(directory)  # type: ignore[attr-defined]
+        # An export is a plain model, whatever the files it came from held: no quantization to redo on load.
+        quantization = config.__dict__.pop("quantization_config", None)
+        try:
+            config.save_pretrained(directory)  # type: ignore[attr-defined]
+        finally:
+            if quantization is not None:
+                config.quantization_config = quantization  # type: ignore[attr-defined]
         if _can_generate(model):  # as save_pretrained writes it
             model.generation_config.save_pretrained(directory)  # type: ignore[union-attr,operator]
 

@@ -53,6 +53,7 @@ from outcore.runtime.quantized import quantized_layouts
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
+from outcore.runtime.stored_quantized import as_stored, quantized_slots
 from outcore.runtime.trace import Trace
 from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
 from outcore.runtime.units import plan_units
@@ -113,9 +114,11 @@ class Engine:
         pretrained = check_pretrained(None if weights is None else os.fspath(weights), self.family, plans)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         # frozen units stored quantized: runtime/quantized.py [Note: quantized frozen units]
+        config = self.config = as_stored(config, pretrained)
         self._quantized = ([None] * len(plans) if config.quantize is None else quantized_layouts(
-            plans, config.quantize, config.quantize_double, self.family.kept_whole(),
-            lambda _slot: self.policy.torch_dtype, self.group.world))
+            plans, config.quantize, config.quantize_double, *quantized_slots(pretrained, self.family.kept_whole(),
+                                                                              self.policy.torch_dtype),
+            self.group.world))
         self.store, self.place, read_ahead, self._owned_dir = open_store(
             config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy, self._quantized),
             frozen_in_files=pretrained is not None)

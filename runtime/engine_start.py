@@ -36,6 +36,7 @@ from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.sharded_model import AnchorParameter
+from outcore.runtime.stored_quantized import stored_spans
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,10 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
         materialize_unit(unit.plan, family, in_units, init_fn=init_fn, seed=seed, loaded=loaded,
                          read_base=read_base, initializers=heads)
         spans = None
+        if pretrained is not None and unit.quantized is not None and _read_as_stored(unit, store, place, pretrained,
+                                                                                     rank):
+            _drop_module_parameters(unit, policy)
+            continue
         if pretrained is not None and unit.quantized is not None:  # what an export writes of it
             unit.original = _in_place(unit, pretrained, read_in)[0]
         if (pretrained is not None and unit.frozen and place.param_tier == Tier.NVME and not unit.resident
@@ -201,6 +206,27 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
     if copied:
         log.warning("weights: %d frozen unit(s) are copied into the swap file instead of read where the weights lie "
                     "(%s%s)", len(copied), copied[0], f"; and {len(copied) - 1} more" if len(copied) > 1 else "")
+
+
+def _read_as_stored(unit: FlatUnit, store: TieredStore, place: Placement, pretrained: PretrainedWeights,
+                    rank: int) -> bool:
+    """A quantized unit the files hold 4-bit (runtime/stored_quantized.py): on NVMe it rests on its
+    spans of the files, nothing copied; in memory they are read there once. False where the files
+    do not hold it so."""
+    spans = stored_spans(unit, pretrained)
+    if spans is None:
+        return False
+    q = unit.quantized
+    assert q is not None
+    source = spans.source(rank * q.shard, (rank + 1) * q.shard)
+    if place.param_tier == Tier.NVME:
+        unit.in_place = spans
+        store.put_source(unit.param_key, source, torch.uint8)
+    else:
+        raw = torch.empty(q.shard, dtype=torch.uint8)
+        source.read_into(raw)
+        store.put(unit.param_key, raw, place.param_tier, return_home=place.param_returns_home)
+    return True
 
 
 def _in_place(unit: FlatUnit, pretrained: PretrainedWeights,

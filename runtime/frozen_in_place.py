@@ -20,7 +20,8 @@ from outcore.offload.file_source import FileSource, FileSpan, FileStamp, Weights
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = {str(d).removeprefix("torch."): d
+           for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8)}
 # Each file version's checksum as this process first computed it: the reference a later reading of
 # its bytes must match (a file rewritten with its stamp put back keeps the stamp, not the bytes).
 _reference: dict[tuple[str, FileStamp], str] = {}

@@ -35,6 +35,7 @@ from outcore.offload.file_source import FileStamp
 from outcore.runtime.model_family import ComposedTensor, ModelFamily, NewHead
 from outcore.runtime.safetensors_header import read_header
 from outcore.runtime.safetensors_stream import ST_DTYPES
+from outcore.runtime.stored_quantized import StoredQuantized, stored_quantized
 from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
 
@@ -131,6 +132,8 @@ class PretrainedWeights:
                 if name in self.tensors:
                     raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} and {file!r}.")
                 self.tensors[name] = stored
+        # Weights saved 4-bit by bitsandbytes (runtime/stored_quantized.py), out of `tensors`.
+        self.quantized: dict[str, StoredQuantized] = stored_quantized(self.tensors)
         self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
         self._grown: dict[ParamSlot, int] = {}  # a resized vocabulary's slot -> the rows the files hold
@@ -157,6 +160,14 @@ class PretrainedWeights:
         for slot in slots:
             names = [model_name(n) for n in slot.state_dict_names]
             known.update(names)
+            quantized = self.quantized_of(slot)
+            if quantized is not None:
+                if quantized.weight.shape != tuple(slot.shape) or not slot.frozen:
+                    raise ValueError(f"weights {self.path!r} hold {names[0]!r} 4-bit, shaped "
+                                     f"{list(quantized.weight.shape)}, for a {'' if slot.frozen else 'trainable '}"
+                                     f"parameter shaped {list(slot.shape)}: a 4-bit weight is read as stored, for a "
+                                     "frozen parameter of its shape (train LoRA adapters on it).")
+                continue
             stored = self.find(slot)
             if stored is None:
                 if slot.param is None or not slot.param.is_meta:
@@ -212,8 +223,17 @@ class PretrainedWeights:
         """Whether the files hold parameter `name` of a module (named as in `module_names`)."""
         def holds(module: nn.Module, name: str) -> bool:
             prefix = module_names[module]
-            return self.family.stored_name(f"{prefix}.{name}" if prefix else name) in self.tensors
+            stored = self.family.stored_name(f"{prefix}.{name}" if prefix else name)
+            return stored in self.tensors or stored in self.quantized
         return holds
+
+    def quantized_of(self, slot: ParamSlot) -> StoredQuantized | None:
+        """The parameter's 4-bit stored weight, where the files hold it so."""
+        for name in slot.state_dict_names:
+            stored = self.quantized.get(self.family.stored_name(name))
+            if stored is not None:
+                return stored
+        return None
 
     def find(self, slot: ParamSlot) -> StoredTensor | ComposedTensor | None:
         """The stored tensor of a parameter, under whichever of its (tied) names it was saved."""

@@ -185,15 +185,23 @@ def bytes_per_weight(kind: str, double: bool) -> float:
     return 0.5 + (1 / BLOCK + 4 / (BLOCK * NESTED_BLOCK) if double else 4 / BLOCK)
 
 
-def quantized_layouts(plans: list[UnitPlan], kind: str, double: bool, kept: set[nn.Module],
+def linear_weights(kept: set[nn.Module]) -> Callable[[ParamSlot], bool]:
+    """Which parameters `Config.quantize` quantizes: the weight of an `nn.Linear` not in `kept`, and
+    not tied to another parameter."""
+    def wanted(slot: ParamSlot) -> bool:
+        return (len(slot.places) == 1 and slot.places[0][1] == "weight" and isinstance(slot.places[0][0], nn.Linear)
+                and slot.places[0][0] not in kept)
+    return wanted
+
+
+def quantized_layouts(plans: list[UnitPlan], kind: str, double: bool, wanted: Callable[[ParamSlot], bool],
                       plain_dtype: Callable[[ParamSlot], torch.dtype], world: int) -> list[QuantizedLayout | None]:
-    """For each unit plan, the layout of its stored bytes where it is frozen and holds the weight
-    of an `nn.Linear` (not one in `kept`, nor a tied one), else None; `plain_dtype`: what each other
-    parameter of such a unit is stored in. ValueError where no unit would be quantized."""
+    """For each unit plan, the layout of its stored bytes where it is frozen and holds a parameter
+    `wanted` quantized, else None; `plain_dtype`: what each other parameter of such a unit is
+    stored in. ValueError where no unit would be quantized."""
     out: list[QuantizedLayout | None] = []
     for plan in plans:
-        flags = [plan.frozen and len(slot.places) == 1 and slot.places[0][1] == "weight"
-                 and isinstance(slot.places[0][0], nn.Linear) and slot.places[0][0] not in kept for slot in plan.slots]
+        flags = [plan.frozen and wanted(slot) for slot in plan.slots]
         out.append(QuantizedLayout.of([tuple(s.shape) for s in plan.slots], flags, kind, double,
                                       [plain_dtype(s) for s in plan.slots], world) if any(flags) else None)
     if not any(out):

@@ -216,3 +216,56 @@ def test_the_memory_plan_and_estimate_count_the_quantized_bytes(tmp_path, capsys
     assert rows[True] < rows[False]  # (the tiny model's embeddings, head and page rounding weigh most here)
     assert main(["estimate", "--model", directory, "--quantize", "nf4"]) == 2
     assert "--lora R" in capsys.readouterr().err
+
+
+def _pre_quantized(directory, target, kind="nf4", double=True):
+    """`directory` loaded 4-bit by transformers and bitsandbytes and saved again: a pre-quantized directory."""
+    _bnb_base(directory, kind, double).save_pretrained(target)
+    return target
+
+
+def test_a_pre_quantized_directory_is_read_as_stored_in_place_and_trains_as_bitsandbytes_does(tmp_path):
+    directory = _pre_quantized(save_model("llama", str(tmp_path / "m")), str(tmp_path / "q"))
+    files = {f: file_checksum(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors")}
+    config = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=None,
+                            nvme_dir=str(tmp_path / "nvme"))  # no quantize: the files' own is taken
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA)), config,
+                            outcore.AdamW(**HP), weights=directory)
+    assert engine.config.quantize == "nf4" and engine.config.quantize_double
+    quantized = [u for u in engine.units if u.quantized is not None]
+    assert quantized and all(u.in_place is not None for u in quantized)
+    assert not any(engine.store.state.swap.entry(u.param_key) for u in quantized)  # nothing of it copied
+    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu"),
+                              peft.LoraConfig(**LORA)).train()
+    start = engine.full_state_dict()
+    ref.load_state_dict({k: v for k, v in start.items() if "lora_" in k}, strict=False)
+    data = token_batches(4)
+    assert_close_losses(engine_steps(engine, data[:2]), plain_steps(ref, data[:2]), rel=1e-4)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "two")
+    expected = engine_steps(engine, data[2:])
+    engine.close()
+    resumed = outcore.Engine(peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA)),
+                             outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=None,
+                                            nvme_dir=str(tmp_path / "nvme2")), outcore.AdamW(**HP), weights=directory)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert engine_steps(resumed, data[2:]) == expected
+    resumed.close()
+    assert {f: file_checksum(os.path.join(directory, f)) for f in files} == files
+
+
+def test_a_merged_export_of_a_pre_quantized_base_is_a_plain_model_of_the_dequantized_weights(tmp_path):
+    directory = _pre_quantized(save_model("llama", str(tmp_path / "m")), str(tmp_path / "q"))
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA)),
+                            outcore.Config(offload_params="nvme", offload_optimizer="nvme",
+                                           nvme_dir=str(tmp_path / "nvme")), outcore.AdamW(**HP), weights=directory)
+    engine_steps(engine, token_batches(2))
+    engine.export(str(tmp_path / "merged"), merge_adapters=True)
+    x = token_batches(1)[0]
+    with torch.no_grad():
+        ours = engine(input_ids=x).logits
+    engine.close()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any(type(m).__name__ == "Linear4bit" for m in merged.modules())
+    assert all(v.dtype == torch.float32 for v in merged.state_dict().values())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=1e-4, atol=1e-5)
