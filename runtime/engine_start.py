@@ -263,7 +263,8 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
             into.copy_(param.detach())
     if unit.quantized is not None:  # its codes and scales: runtime/quantized.py
         q = unit.quantized
-        raw = q.encode([flat32[off : off + slot.numel] for slot, off in zip(unit.plan.slots, lay.offsets, strict=True)])
+        raw = q.encode([flat32[off : off + slot.numel] for slot, off in zip(unit.plan.slots, lay.offsets, strict=True)],
+                       unit.device)
         store.put(unit.param_key, raw[rank * q.shard : (rank + 1) * q.shard], place.param_tier,
                   return_home=place.param_returns_home)
         del flat32, raw

@@ -157,13 +157,15 @@ class QuantizedLayout:
         return cls(tuple(parts), tuple(plain_dtypes), tuple(numels), tuple(offsets), padded, padded // world,
                    [None] * len(parts))
 
-    def encode(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """The unit's stored bytes from its parameters' values (in slot order)."""
+    def encode(self, values: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """The unit's stored bytes (on the CPU) from its parameters' values (in slot order), each
+        weight quantized on `device` (the compute device: bitsandbytes' kernels there are fast)."""
         out = torch.zeros(self.padded, dtype=torch.uint8)
         for i, (part, value, at, numel, dtype) in enumerate(zip(self.parts, values, self.offsets, self.numels,
                                                                  self.plain_dtypes, strict=True)):
             if part is not None:
-                self.scale_offsets[i] = part.encode(value, out[at : at + part.nbytes])
+                self.scale_offsets[i] = part.encode(value if device is None else value.to(device),
+                                                    out[at : at + part.nbytes])
             else:
                 out[at : at + numel * dtype.itemsize].view(dtype).copy_(value.reshape(-1).to(dtype))
         return out

@@ -7,7 +7,10 @@ trained a few steps, in a process of its own so that its peak host RSS is its ow
   and the accumulation at which the step estimate says compute bounds the step (at most
   `MAX_ACCUMULATION`, to keep the kit short);
 - `qwen-14b-lora`: LoRA r=16 on every projection, the frozen base on NVMe, the adapters' optimizer
-  on the CPU, under a 16 GiB device budget (a consumer card's), activation checkpointing.
+  on the CPU, under a 16 GiB device budget (a consumer card's), activation checkpointing;
+- `llama-70b-qlora`: QLoRA, LoRA r=16 on a Llama-70B-shaped base stored NF4 in the tiers (quantized
+  on the GPU as it streams in), in host memory where half of what is available holds it, else on
+  NVMe, under a 22 GiB device budget (a 24 GB card's), bf16 compute.
 Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
 prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
 
@@ -38,8 +41,9 @@ class ModelShape:
     architecture: str  # "llama" or "qwen2"
     config: dict[str, int]
     lora: int | None  # adapter rank; None: a full fine-tune
-    offload_params: str
+    offload_params: str  # "auto": host memory where half of the available holds the stored parameters, else NVMe
     device_budget: int | None
+    quantize: str | None = None  # Config.quantize of the frozen base
 
 
 SHAPES = {
@@ -49,6 +53,9 @@ SHAPES = {
     "qwen-14b-lora": ModelShape("qwen2", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                                          num_attention_heads=40, num_key_value_heads=8, vocab_size=152064),
                            lora=16, offload_params="nvme", device_budget=16 << 30),
+    "llama-70b-qlora": ModelShape("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+                             lora=16, offload_params="auto", device_budget=22 << 30, quantize="nf4"),
 }
 
 
@@ -76,12 +83,19 @@ def build(shape: ModelShape, overrides: dict[str, int] | None = None) -> tuple[t
     return model, init
 
 
-def config_of(shape: ModelShape, nvme_dir: str, accumulate: int) -> Any:
+def config_of(shape: ModelShape, nvme_dir: str, accumulate: int, params: int = 0) -> Any:
+    """The row's Config; `params`: the model's parameters, for an "auto" placement of them."""
     from outcore import runtime
+    from outcore.runtime.quantized import bytes_per_weight
 
-    return runtime.Config(stage=3, offload_params=shape.offload_params, offload_optimizer="cpu", nvme_dir=nvme_dir,
+    offload = shape.offload_params
+    if offload == "auto":
+        stored = params * (bytes_per_weight(shape.quantize, True) if shape.quantize else 2)
+        offload = "cpu" if stored <= psutil.virtual_memory().available // 2 else "nvme"
+    return runtime.Config(stage=3, offload_params=offload, offload_optimizer="cpu", nvme_dir=nvme_dir,
                           dtype="bf16", state_dtype="bf16", grad_clip=1.0, grad_accumulation=accumulate,
-                          device_budget=shape.device_budget)
+                          device_budget=shape.device_budget, quantize=shape.quantize,
+                          quantize_double=shape.quantize is not None)
 
 
 def predict(model: torch.nn.Module, shape: ModelShape, rates: Any, *, tokens: int, device_type: str,
@@ -90,9 +104,12 @@ def predict(model: torch.nn.Module, shape: ModelShape, rates: Any, *, tokens: in
     `accumulate` None: the smallest at which compute bounds the step, at most MAX_ACCUMULATION."""
     from outcore.runtime.policy import StatePolicy
     from outcore.tools import step_estimate as se
+    from outcore.tools.estimate import quantized_stored
     from outcore.tools.model_source import unit_layout
 
     units, layout = unit_layout(model)
+    if shape.quantize is not None:  # its frozen blocks at their stored bytes
+        layout["stored"] = quantized_stored(units, layout, 1, shape.quantize, True)
 
     def step_shape(k: int) -> se.StepShape:
         policy = StatePolicy.of(config_of(shape, ".", k), world=1, device_type=device_type)
@@ -120,8 +137,8 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
     at, accumulate, predicted = predict(model, shape, machine, tokens=batch * seq,
                                         device_type=torch.device(device).type, accumulate=accumulate)
     with tempfile.TemporaryDirectory(dir=nvme_dir) as d:
-        engine = runtime.Engine(model, config_of(shape, d, accumulate), runtime.AdamW(lr=1e-5), device=device,
-                                init_fn=init)
+        config = config_of(shape, d, accumulate, at.params)
+        engine = runtime.Engine(model, config, runtime.AdamW(lr=1e-5), device=device, init_fn=init)
         try:
             gen = torch.Generator().manual_seed(0)
             times, before = [], engine.stats()
@@ -152,6 +169,7 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "bytes_read_per_step": (last["bytes_read"] - first["bytes_read"]) / steps,
             "bytes_written_per_step": (last["bytes_written"] - first["bytes_written"]) / steps,
+            "offload_params": config.offload_params, "quantize": config.quantize,
             "predicted": predicted.as_dict(machine.peak_flops), "rates": dataclasses.asdict(machine)}
 
 

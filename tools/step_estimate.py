@@ -228,7 +228,8 @@ def plan_shape(units: list[int], layout: dict, policy: StatePolicy, *, tokens: i
 
     frozen = layout.get("frozen") or [False] * len(units)
     plan = plan_memory(unit_shapes(units, policy, frozen=frozen, roots=layout.get("roots"),
-                                   modules=layout.get("modules"), outer=layout.get("outer")), policy,
+                                   modules=layout.get("modules"), outer=layout.get("outer"),
+                                   stored=layout.get("stored")), policy,
                        frozen_in_files=bool(layout.get("frozen_in_files")))
     device, host = plan.budgets(device_budget, host_budget, available)
     return (shape_of(units, frozen, plan, policy, tokens=tokens, device_budget=device, host_budget=host,

@@ -269,3 +269,21 @@ def test_a_merged_export_of_a_pre_quantized_base_is_a_plain_model_of_the_dequant
     assert all(v.dtype == torch.float32 for v in merged.state_dict().values())
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_base_is_quantized_and_decoded_there_as_bitsandbytes_does(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    config = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu", grad_clip=None,
+                            quantize="nf4", quantize_double=True)
+    engine = outcore.Engine(peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA)), config,
+                            outcore.AdamW(**HP), weights=directory, device="cuda")
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                        bnb_4bit_compute_dtype=torch.float32)
+    ref = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=q, dtype=torch.float32, device_map="cuda"), peft.LoraConfig(**LORA)).train()
+    ref.load_state_dict({k: v for k, v in engine.full_state_dict().items() if "lora_" in k}, strict=False)
+    x = token_batches(1)[0].cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    engine.close()
