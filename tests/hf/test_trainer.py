@@ -210,16 +210,22 @@ def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path, model_path,
     assert_same_weights(two_sd, one_sd)
 
 
-@pytest.mark.parametrize("where", ["model_init_kwargs", "trainer"])
+@pytest.mark.parametrize("where", ["model_init_kwargs", "trainer", "pre-quantized"])
 def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tmp_path, where):
-    """`quantization_config` (a BitsAndBytesConfig) in `args.model_init_kwargs` or given to the trainer:
-    the base rests NF4 in outcore's tiers as bitsandbytes stores it, and the losses are plain QLoRA's."""
+    """`quantization_config` (a BitsAndBytesConfig) in `args.model_init_kwargs` or given to the trainer,
+    or `model=` a directory saved 4-bit: the base rests NF4 in outcore's tiers as bitsandbytes stores
+    it (the saved one read in place), and the losses are plain QLoRA's."""
     pytest.importorskip("bitsandbytes")
     model_path = model_dir(str(tmp_path / "model"))
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     data = conversations()
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                         bnb_4bit_compute_dtype=torch.float32)
+    if where == "pre-quantized":
+        transformers.AutoModelForCausalLM.from_pretrained(model_path, quantization_config=q, dtype=torch.float32,
+                                                          device_map="cpu").save_pretrained(str(tmp_path / "q"))
+        tok.save_pretrained(str(tmp_path / "q"))
+        model_path = str(tmp_path / "q")
 
     def run(cls, name, **extra):
         init = {"dtype": torch.float32, **({"quantization_config": q} if where == "model_init_kwargs" else {})}
@@ -237,6 +243,8 @@ def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tm
     ours = run(outcore_trainer(trl.SFTTrainer), "ours", outcore_config=nvme_config(str(tmp_path / "nvme")))
     assert [u for u in ours.engine.units if u.quantized is not None]
     assert ours.engine.config.quantize == "nf4" and ours.engine.config.quantize_double
+    if where == "pre-quantized":
+        assert all(u.in_place is not None for u in ours.engine.units if u.quantized is not None)
     assert_close_rel(logged(ours, "loss"), logged(plain, "loss"), rel=1e-4)
     ours.engine.close()
 
