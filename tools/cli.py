@@ -353,6 +353,9 @@ def _sweep(args: argparse.Namespace, base, *, keep_nvme_dir: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="outcore: %(message)s")
+    # bitsandbytes (the qlora extra, imported by peft) warns at import, on CPUs with AVX512-BF16, that an
+    # optional inference kernel from a hub is not loaded: nothing outcore uses, and not outcore's to say.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     with handle_signals():
         try:
             return _run(argv)
