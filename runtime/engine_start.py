@@ -250,26 +250,27 @@ def _shard(unit: FlatUnit, store: TieredStore, place: Placement, policy: StatePo
     """Flatten the unit's parameters (read from `pretrained` where it has them and they were not
     `read_in` already, else their own values), keep this rank's shard, drop the originals."""
     lay = unit.layout
-    flat32 = torch.zeros(lay.padded, dtype=torch.float32)
-    for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
+
+    def value(slot: ParamSlot, into: torch.Tensor | None = None) -> torch.Tensor:
         stored = pretrained.find(slot) if pretrained is not None and slot not in read_in else None
-        into = flat32[off : off + slot.numel].view(slot.shape)
         if pretrained is not None and stored is not None:
-            pretrained.read_parameter(slot, stored, out=into)
-        else:
-            module, name = slot.places[0]
-            param = module._parameters[name]
-            assert param is not None and not param.is_meta
-            into.copy_(param.detach())
-    if unit.quantized is not None:  # its codes and scales: runtime/quantized.py
+            return pretrained.read_parameter(slot, stored, out=into)
+        module, name = slot.places[0]
+        param = module._parameters[name]
+        assert param is not None and not param.is_meta
+        return param.detach() if into is None else into.copy_(param.detach())
+
+    if unit.quantized is not None:  # its codes and scales, a parameter read at a time: runtime/quantized.py
         q = unit.quantized
-        raw = q.encode([flat32[off : off + slot.numel] for slot, off in zip(unit.plan.slots, lay.offsets, strict=True)],
-                       unit.device)
+        raw = q.encode((value(slot) for slot in unit.plan.slots), unit.device)
         store.put(unit.param_key, raw[rank * q.shard : (rank + 1) * q.shard], place.param_tier,
                   return_home=place.param_returns_home)
-        del flat32, raw
+        del raw
         _drop_module_parameters(unit, policy)
         return
+    flat32 = torch.zeros(lay.padded, dtype=torch.float32)
+    for slot, off in zip(unit.plan.slots, lay.offsets, strict=True):
+        value(slot, flat32[off : off + slot.numel].view(slot.shape))
     master = flat32[rank * lay.shard : (rank + 1) * lay.shard]
     for c in unit.chunks:
         state = initial_state(master[c.start : c.end], with_master=not unit.master_is_param,

@@ -19,7 +19,7 @@ same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -157,7 +157,7 @@ class QuantizedLayout:
         return cls(tuple(parts), tuple(plain_dtypes), tuple(numels), tuple(offsets), padded, padded // world,
                    [None] * len(parts))
 
-    def encode(self, values: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    def encode(self, values: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
         """The unit's stored bytes (on the CPU) from its parameters' values (in slot order), each
         weight quantized on `device` (the compute device: bitsandbytes' kernels there are fast)."""
         out = torch.zeros(self.padded, dtype=torch.uint8)
