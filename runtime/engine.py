@@ -50,10 +50,10 @@ from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized import quantized_layouts
+from outcore.runtime.quantized_base import as_stored, quantized_slots
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
-from outcore.runtime.stored_quantized import as_stored, quantized_slots
 from outcore.runtime.trace import Trace
 from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
 from outcore.runtime.units import plan_units

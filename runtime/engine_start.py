@@ -35,8 +35,8 @@ from outcore.runtime.optimizer import AdamW, initial_state
 from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized import QuantizedLayout
+from outcore.runtime.quantized_base import stored_spans
 from outcore.runtime.sharded_model import AnchorParameter
-from outcore.runtime.stored_quantized import stored_spans
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 log = logging.getLogger(__name__)
