@@ -49,8 +49,7 @@ from outcore.runtime.model_family import family_of
 from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.quantized import quantized_layouts
-from outcore.runtime.quantized_base import as_stored, quantized_slots
+from outcore.runtime.quantized_base import as_stored, quantized_plans
 from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.state_dict import export_model, full_state_dict
 from outcore.runtime.stochastic_rounding import StochasticRounding
@@ -115,10 +114,8 @@ class Engine:
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         # frozen units stored quantized: runtime/quantized.py [Note: quantized frozen units]
         config = self.config = as_stored(config, pretrained)
-        self._quantized = ([None] * len(plans) if config.quantize is None else quantized_layouts(
-            plans, config.quantize, config.quantize_double, *quantized_slots(pretrained, self.family.kept_whole(),
-                                                                              self.policy.torch_dtype),
-            self.group.world))
+        self._quantized = quantized_plans(plans, config, pretrained, self.family.kept_whole(), self.policy.torch_dtype,
+                                          self.group.world)
         self.store, self.place, read_ahead, self._owned_dir = open_store(
             config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy, self._quantized),
             frozen_in_files=pretrained is not None)

@@ -17,11 +17,11 @@ from outcore.offload.file_source import FileSpan
 from outcore.runtime.config import Config
 from outcore.runtime.frozen_in_place import UnitSpans
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.quantized import linear_weights
+from outcore.runtime.quantized import QuantizedLayout, linear_weights, quantized_layouts
 
 if TYPE_CHECKING:
     from outcore.runtime.flat_unit import FlatUnit
-    from outcore.runtime.units import ParamSlot
+    from outcore.runtime.units import ParamSlot, UnitPlan
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +84,12 @@ def stored_spans(unit: FlatUnit, pretrained: PretrainedWeights) -> UnitSpans | N
             tensor = saved.parts[name]
             spans.append(FileSpan(tensor.file, tensor.begin, torch.uint8, nbytes, at + within))
     return UnitSpans(tuple(spans), {s.path: pretrained.stamps[s.path] for s in spans})
+
+
+def quantized_plans(plans: list[UnitPlan], config: Config, pretrained: PretrainedWeights | None, kept: set[nn.Module],
+                    compute: torch.dtype, world: int) -> list[QuantizedLayout | None]:
+    """Each unit's stored layout where `config` quantizes it (`quantized_slots` says which), else None."""
+    if config.quantize is None:
+        return [None] * len(plans)
+    return quantized_layouts(plans, config.quantize, config.quantize_double,
+                             *quantized_slots(pretrained, kept, compute), world)
