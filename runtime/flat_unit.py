@@ -132,6 +132,7 @@ class FlatUnit:
         self.in_place: UnitSpans | None = None
         # A frozen unit stored quantized: its bytes' layout (runtime/quantized.py [Note: quantized frozen units])
         self.quantized: QuantizedLayout | None = None
+        self._decodes_in_store = False
         # ... and its spans of the unquantized weights files it was quantized from, where it has them:
         # what an export writes of it (`exported_values`)
         self.original: UnitSpans | None = None
@@ -166,9 +167,12 @@ class FlatUnit:
 
     def store_quantized(self, layout: QuantizedLayout) -> None:
         """From now on the unit's shard is `layout`'s bytes, decoded at every gather: it is never
-        resident and never borrows the stored shard (runtime/quantized.py)."""
+        resident and never borrows the stored shard (runtime/quantized.py). With one rank it is
+        decoded into DEVICE memory the store lends it instead, so that its values count in the
+        device budget as a borrowed shard's do (`_borrow_decoded`)."""
         assert self.frozen and self.state is UnitState.SHARDED
         self.quantized = layout
+        self._decodes_in_store = self.borrowing
         self.resident = self.borrowing = False
 
     def alias_shard(self) -> None:
@@ -184,8 +188,11 @@ class FlatUnit:
     def unshard(self) -> None:
         """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
         assert self.state is UnitState.SHARDED, f"{self.name}: unshard() of a gathered unit"
-        if self.borrowing:
-            self._borrow()
+        if self.borrowing or self._decodes_in_store:
+            if self._decodes_in_store:
+                self._borrow_decoded()
+            else:
+                self._borrow()
             self.state = UnitState.UNSHARDED
             return
         storage = self.flat.untyped_storage()
@@ -210,6 +217,28 @@ class FlatUnit:
         shard = self._fetch_shard()
         storage = shard.untyped_storage()
         assert shard.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
+        swap_storage_memory(self.flat.untyped_storage(), storage)
+        self._borrowed = storage
+
+    @property
+    def decoded_key(self) -> str:
+        return f"u{self.index}.decoded"  # a quantized unit's values while gathered (one rank)
+
+    def _borrow_decoded(self) -> None:
+        """One rank, a quantized unit: its values decoded into DEVICE memory the store lends under a key
+        of their own (pinned while gathered, forgotten at `reshard()`, never written anywhere), and
+        borrowed as a shard is: see [Note: borrowed shards]."""
+        staged = self.store.stage(self.decoded_key, (self.layout.padded,), self.dtype, Tier.DEVICE)
+        try:
+            with torch.no_grad():
+                self._gather_into(staged.tensor)
+        except BaseException as e:
+            staged.abort(e)
+            raise
+        staged.commit()
+        decoded = self.store.fetch_now(self.decoded_key, Tier.DEVICE)
+        storage = decoded.untyped_storage()
+        assert decoded.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
         swap_storage_memory(self.flat.untyped_storage(), storage)
         self._borrowed = storage
 
@@ -240,7 +269,11 @@ class FlatUnit:
             # The store's buffer gets its memory back.
             swap_storage_memory(self.flat.untyped_storage(), self._borrowed)
             self._borrowed = None
-            self.store.release(self.param_key)
+            if self._decodes_in_store:
+                self.store.release(self.decoded_key)
+                self.store.delete(self.decoded_key)
+            else:
+                self.store.release(self.param_key)
         else:
             self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
