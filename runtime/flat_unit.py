@@ -130,11 +130,10 @@ class FlatUnit:
         self.param_key = f"u{self.index}.param"  # the whole shard, in the compute dtype
         # A frozen unit read where its weights lie: its spans of the weights files (runtime/frozen_in_place.py)
         self.in_place: UnitSpans | None = None
-        # A frozen unit stored quantized: its bytes' layout (runtime/quantized.py [Note: quantized frozen units])
+        # A frozen unit stored quantized: its bytes' layout (runtime/quantized.py [Note: quantized frozen units]),
+        # and its spans of the unquantized files it was quantized from, what an export writes (`exported_values`)
         self.quantized: QuantizedLayout | None = None
         self._decodes_in_store = False
-        # ... and its spans of the unquantized weights files it was quantized from, where it has them:
-        # what an export writes of it (`exported_values`)
         self.original: UnitSpans | None = None
         self.state = UnitState.SHARDED
         self._borrowed: torch.UntypedStorage | None = None  # see [Note: borrowed shards]
@@ -225,9 +224,8 @@ class FlatUnit:
         return f"u{self.index}.decoded"  # a quantized unit's values while gathered (one rank)
 
     def _borrow_decoded(self) -> None:
-        """One rank, a quantized unit: its values decoded into DEVICE memory the store lends under a key
-        of their own (pinned while gathered, forgotten at `reshard()`, never written anywhere), and
-        borrowed as a shard is: see [Note: borrowed shards]."""
+        """One rank, a quantized unit: decoded into DEVICE memory the store lends under a key of its
+        own (pinned while gathered, forgotten at `reshard()`), borrowed as in [Note: borrowed shards]."""
         staged = self.store.stage(self.decoded_key, (self.layout.padded,), self.dtype, Tier.DEVICE)
         try:
             with torch.no_grad():

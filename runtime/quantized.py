@@ -19,6 +19,7 @@ same bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,10 +61,7 @@ class QuantizedWeight:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def blocks(self) -> int:
@@ -146,12 +144,12 @@ class QuantizedLayout:
            plain_dtypes: list[torch.dtype], world: int) -> QuantizedLayout:
         parts, numels, offsets, at = [], [], [], 0
         for shape, q, dtype in zip(shapes, quantized, plain_dtypes, strict=True):
-            whole = QuantizedWeight(tuple(shape), kind, double)
-            part = whole if q else None
+            part = QuantizedWeight(tuple(shape), kind, double) if q else None
+            numel = math.prod(shape)
             offsets.append(at)
             parts.append(part)
-            numels.append(whole.numel)
-            at += _aligned(part.nbytes if part is not None else whole.numel * dtype.itemsize)
+            numels.append(numel)
+            at += _aligned(part.nbytes if part is not None else numel * dtype.itemsize)
         grain = world * _ALIGN * 128  # equal shards of whole 512-byte pieces
         padded = -(-max(at, 1) // grain) * grain
         return cls(tuple(parts), tuple(plain_dtypes), tuple(numels), tuple(offsets), padded, padded // world,

@@ -10,6 +10,7 @@ import peft
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_in_place_checkpoint import steps  # noqa: E402  (each rank its half of every batch)
 from hf_models import deferred, token_batches  # noqa: E402
 
 import outcore  # noqa: E402
@@ -26,14 +27,7 @@ def qlora_engine(directory: str, nvme: str) -> outcore.Engine:
 def main(directory: str, nvme: str, out: str) -> None:
     engine = qlora_engine(directory, nvme)
     assert any(u.quantized is not None for u in engine.units)
-    losses = []
-    for x in token_batches(3, batch=4):
-        half = x.shape[0] // engine.group.world
-        mine = x[engine.group.rank * half : (engine.group.rank + 1) * half]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = steps(engine, token_batches(3, batch=4))
     state = engine.full_state_dict()
     if engine.group.rank == 0:
         with open(out, "w") as f:
