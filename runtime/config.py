@@ -27,7 +27,7 @@ SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit
 
 MAX_PREFETCH_DEPTH = 1024  # units fetched ahead: far past any model, far short of what overflows a buffer count
 
-QUANTIZE = (None, "nf4", "fp4")  # Config.quantize: bitsandbytes' 4-bit types
+QUANTIZE = (None, "nf4", "fp4", "int8")  # Config.quantize: bitsandbytes' 4-bit types and its 8-bit rows
 
 
 @dataclass
@@ -50,9 +50,9 @@ class Config:
                        many parameters at a time (16 B each with the gradient), whatever the unit size.
     collective_timeout: seconds any collective waits for the other ranks before a stalled or dead
                        rank becomes an error on every rank (used when the engine makes the group).
-    quantize:          None, "nf4" or "fp4": frozen Linear weights rest in the tiers quantized as
-                       bitsandbytes quantizes them, dequantized as their unit is gathered
-                       (runtime/quantized.py); `quantize_double` quantizes their scales too.
+    quantize:          None, "nf4", "fp4" or "int8": frozen Linear weights rest in the tiers quantized
+                       as bitsandbytes quantizes them, dequantized as their unit is gathered
+                       (runtime/quantized.py); `quantize_double` quantizes a 4-bit weight's scales too.
     """
 
     stage: int = 3
@@ -112,9 +112,9 @@ class Config:
         _check_optimizer(self.optimizer)
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(map(repr, QUANTIZE))}.")
-        if self.quantize_double and self.quantize is None:
-            raise ValueError("quantize_double=True quantizes the scales of quantized weights: set quantize='nf4' "
-                             "or 'fp4' too.")
+        if self.quantize_double and self.quantize in (None, "int8"):
+            raise ValueError(f"quantize_double=True quantizes the scales of 4-bit weights, and quantize is "
+                             f"{self.quantize!r}: set quantize='nf4' or 'fp4' too, or leave quantize_double off.")
 
     # -- readers ----------------------------------------------------------------------------------
 

@@ -210,7 +210,7 @@ def lay_out_states(family: ModelFamily, units: list[FlatUnit], store: TieredStor
 
 def _read_as_stored(unit: FlatUnit, store: TieredStore, place: Placement, pretrained: PretrainedWeights,
                     rank: int) -> bool:
-    """A quantized unit the files hold 4-bit (runtime/stored_quantized.py): on NVMe it rests on its
+    """A quantized unit the files hold quantized (runtime/stored_quantized.py): on NVMe it rests on its
     spans of the files, nothing copied; in memory they are read there once. False where the files
     do not hold it so."""
     spans = stored_spans(unit, pretrained)

@@ -132,7 +132,7 @@ class PretrainedWeights:
                 if name in self.tensors:
                     raise ValueError(f"tensor {key!r} is stored twice: in {self.tensors[name].file!r} and {file!r}.")
                 self.tensors[name] = stored
-        # Weights saved 4-bit by bitsandbytes (runtime/stored_quantized.py), out of `tensors`.
+        # Weights saved quantized by bitsandbytes (runtime/stored_quantized.py), out of `tensors`.
         self.quantized: dict[str, StoredQuantized] = stored_quantized(self.tensors)
         self._open: dict[str, int] = {}
         self._converted: set[tuple[torch.dtype, torch.dtype]] = set()
@@ -163,10 +163,10 @@ class PretrainedWeights:
             quantized = self.quantized_of(slot)
             if quantized is not None:
                 if quantized.weight.shape != tuple(slot.shape) or not slot.frozen:
-                    raise ValueError(f"weights {self.path!r} hold {names[0]!r} 4-bit, shaped "
+                    raise ValueError(f"weights {self.path!r} hold {names[0]!r} quantized, shaped "
                                      f"{list(quantized.weight.shape)}, for a {'' if slot.frozen else 'trainable '}"
-                                     f"parameter shaped {list(slot.shape)}: a 4-bit weight is read as stored, for a "
-                                     "frozen parameter of its shape (train LoRA adapters on it).")
+                                     f"parameter shaped {list(slot.shape)}: a quantized weight is read as stored, "
+                                     "for a frozen parameter of its shape (train LoRA adapters on it).")
                 continue
             stored = self.find(slot)
             if stored is None:
@@ -228,7 +228,7 @@ class PretrainedWeights:
         return holds
 
     def quantized_of(self, slot: ParamSlot) -> StoredQuantized | None:
-        """The parameter's 4-bit stored weight, where the files hold it so."""
+        """The parameter's quantized stored weight, where the files hold it so."""
         for name in slot.state_dict_names:
             stored = self.quantized.get(self.family.stored_name(name))
             if stored is not None:

@@ -1,20 +1,23 @@
-"""Frozen weights stored quantized in the tiers (`Config.quantize`): bitsandbytes' 4-bit codes and scales.
+"""Frozen weights stored quantized in the tiers (`Config.quantize`): bitsandbytes' codes and scales.
 
 [Note: quantized frozen units] A frozen unit whose parameters include the weight of an
 `nn.Linear` (one the model family does not keep whole, as transformers keeps the output head)
 rests in the store as bytes, `QuantizedLayout`: for each such weight the codes and scales
-`bitsandbytes.functional.quantize_4bit` makes of it (NF4 or FP4, two codes a byte, blocks of 64,
-an fp32 absmax per block, or with double quantization a byte per block beside an fp32 absmax per
-256 blocks and their offset), and for the unit's other parameters (biases, norms) their values in
-the compute dtype. Gathering the unit decodes each weight with `dequantize_4bit` into the unit's
-flat buffer, so the layers compute with the values bitsandbytes' `Linear4bit` computes with. Such a
-unit is never resident and never borrows its shard (the stored bytes are not the flat buffer's):
-it is decoded at every gather, and a weight's bytes in the tiers and on the wire are 0.56 of a
-byte a parameter (0.52 with double quantization) where bf16 takes 2.
+bitsandbytes makes of it, and for the unit's other parameters (biases, norms) their values in the
+compute dtype. 4-bit (NF4 or FP4, `quantize_4bit`): two codes a byte, blocks of 64, an fp32 absmax
+per block, or with double quantization a byte per block beside an fp32 absmax per 256 blocks and
+their offset. 8-bit (`int8_vectorwise_quant`, as `Linear8bitLt` stores a weight): a signed byte an
+element and an fp32 absmax per row, taken from the weight's fp16 values as bitsandbytes takes them.
+Gathering the unit decodes each weight into the unit's flat buffer, so the layers compute with the
+values bitsandbytes' `Linear4bit` computes with, and those `Linear8bitLt` computes with in training
+on the CPU (on a GPU bitsandbytes rounds the activations to 8 bits too; outcore does not, see
+docs/design.md). Such a unit is never resident and never borrows its shard (the stored bytes are
+not the flat buffer's): it is decoded at every gather, and a weight's bytes in the tiers and on
+the wire are 0.56 of a byte a parameter in 4 bits (0.52 with double quantization), 1 in 8, where
+bf16 takes 2.
 
-The weights are quantized once, as they stream in at the start, from their values in fp32 (a bf16
-file's values widen exactly). Quantizing is deterministic: the same weights and settings give the
-same bytes.
+The weights are quantized once, as they stream in at the start. Quantizing is deterministic: the
+same weights and settings give the same bytes.
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ def _bnb():  # imported where used: bitsandbytes is the `qlora` extra
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """One weight's stored bytes: [codes | code table | scales], each part 4-byte aligned, in the
-    order and sizes of the tensors bitsandbytes saves for it (`weight`, `.quant_map`, `.absmax`,
-    and under double quantization `.nested_absmax` and `.nested_quant_map`); the offset of the
-    nested scales, a number in bitsandbytes' saved state, is kept beside (`QuantizedLayout`)."""
+    """One weight's stored bytes, each part 4-byte aligned, in the order and sizes of the tensors
+    bitsandbytes saves for it. 4-bit: [codes | code table | scales] (`weight`, `.quant_map`,
+    `.absmax`, and under double quantization `.nested_absmax` and `.nested_quant_map`); the offset
+    of the nested scales, a number in bitsandbytes' saved state, is kept beside (`QuantizedLayout`).
+    8-bit: [codes | row scales] (the layer's `weight` and `SCB`)."""
 
     shape: tuple[int, ...]
-    kind: str  # "nf4" or "fp4"
+    kind: str  # "nf4", "fp4" or "int8"
     double: bool
 
     @property
@@ -69,12 +73,14 @@ class QuantizedWeight:
 
     def parts(self) -> list[tuple[str, int, int]]:
         """(name, byte offset within the weight's bytes, bytes) of each part, in the order stored."""
-        sizes = [("codes", -(-self.numel // 2)), ("code", 16 * 4)]
-        if self.double:
+        if self.kind == "int8":
+            sizes = [("codes", self.numel), ("row_absmax", self.shape[0] * 4)]
+        elif self.double:
             nested = -(-self.blocks // NESTED_BLOCK)
-            sizes += [("absmax", self.blocks), ("nested_absmax", nested * 4), ("nested_code", 256 * 4)]
+            sizes = [("codes", -(-self.numel // 2)), ("code", 16 * 4), ("absmax", self.blocks),
+                     ("nested_absmax", nested * 4), ("nested_code", 256 * 4)]
         else:
-            sizes.append(("absmax", self.blocks * 4))
+            sizes = [("codes", -(-self.numel // 2)), ("code", 16 * 4), ("absmax", self.blocks * 4)]
         out, at = [], 0
         for name, n in sizes:
             out.append((name, at, n))
@@ -91,10 +97,15 @@ class QuantizedWeight:
     def encode(self, weight: torch.Tensor, out: torch.Tensor) -> float | None:
         """`weight` (this shape) quantized into `out` (uint8, `nbytes`), as bitsandbytes quantizes it;
         returns the nested scales' offset (None without double quantization)."""
+        parts = self._split(out)
+        if self.kind == "int8":  # from fp16 values, as `Int8Params` quantizes a weight
+            codes8, row_absmax, _ = _bnb().int8_vectorwise_quant(weight.detach().to(torch.float16).contiguous())
+            parts["codes"].copy_(codes8.reshape(-1).view(torch.uint8))
+            parts["row_absmax"].view(torch.float32).copy_(row_absmax)
+            return None
         codes, state = _bnb().quantize_4bit(weight.detach().float().contiguous(), blocksize=BLOCK,
                                             quant_type=self.kind, compress_statistics=self.double,
                                             quant_storage=torch.uint8)
-        parts = self._split(out)
         parts["codes"].copy_(codes.reshape(-1).view(torch.uint8))
         parts["code"].view(torch.float32).copy_(state.code.float())
         if not self.double:
@@ -107,8 +118,11 @@ class QuantizedWeight:
 
     def decode(self, raw: torch.Tensor, dtype: torch.dtype, offset: float | None) -> torch.Tensor:
         """The weight's values (this shape, `dtype`) from its stored bytes, on `raw`'s device."""
-        functional = _bnb()
         parts = self._split(raw)
+        if self.kind == "int8":  # the operations of bitsandbytes' `MatMul8bitFp`, so the same values
+            codes8 = parts["codes"].view(torch.int8).reshape(self.shape)
+            return codes8.to(dtype).mul_(parts["row_absmax"].view(torch.float32).unsqueeze(1).mul(1.0 / 127.0))
+        functional = _bnb()
         nested = None
         if self.double:
             nested = functional.QuantState(absmax=parts["nested_absmax"].view(torch.float32),
@@ -181,7 +195,9 @@ class QuantizedLayout:
 
 def bytes_per_weight(kind: str, double: bool) -> float:
     """Stored bytes a quantized weight's element takes, its scales included (`QuantizedWeight.nbytes`
-    per element, for a large weight)."""
+    per element, for a large weight: 8-bit's scale a row is left out)."""
+    if kind == "int8":
+        return 1.0
     return 0.5 + (1 / BLOCK + 4 / (BLOCK * NESTED_BLOCK) if double else 4 / BLOCK)
 
 

@@ -1,5 +1,5 @@
 """What an engine's start does with a quantized base (`Config.quantize`, runtime/quantized.py): the
-setting a directory saved 4-bit asks for, which parameters rest quantized and in what the others
+setting a directory saved quantized asks for, which parameters rest quantized and in what the others
 of their units are stored, and the spans of the files such a unit is read from in place
 (runtime/stored_quantized.py)."""
 
@@ -33,24 +33,24 @@ def as_stored(config: Config, pretrained: PretrainedWeights | None) -> Config:
         return config
     settings = {(q.weight.kind, q.weight.double) for q in pretrained.quantized.values()}
     if len(settings) > 1:
-        raise ValueError(f"weights {pretrained.path!r} hold 4-bit weights quantized in several ways "
+        raise ValueError(f"weights {pretrained.path!r} hold weights quantized in several ways "
                          f"({sorted(settings)}); outcore reads one.")
     (kind, double), = settings
     if config.quantize is None:
-        log.info("weights %s are stored 4-bit (%s%s): read as stored", pretrained.path, kind,
+        log.info("weights %s are stored quantized (%s%s): read as stored", pretrained.path, kind,
                  ", double quantization" if double else "")
         return dataclasses.replace(config, quantize=kind, quantize_double=double)
     if (config.quantize, config.quantize_double) != (kind, double):
-        raise ValueError(f"weights {pretrained.path!r} are stored 4-bit as {kind} (quantize_double={double}), and the "
-                         f"config asks for {config.quantize} (quantize_double={config.quantize_double}): give the "
-                         "stored setting, or leave quantize unset to take it.")
+        raise ValueError(f"weights {pretrained.path!r} are stored quantized as {kind} (quantize_double={double}), "
+                         f"and the config asks for {config.quantize} (quantize_double={config.quantize_double}): give "
+                         "the stored setting, or leave quantize unset to take it.")
     return config
 
 
 def quantized_slots(pretrained: PretrainedWeights | None, kept: set[nn.Module], compute: torch.dtype
                     ) -> tuple[Callable[[ParamSlot], bool], Callable[[ParamSlot], torch.dtype]]:
     """Which parameters rest quantized and what a quantized unit's other parameters are stored in:
-    the files' 4-bit weights and their stored dtypes (read as stored, in place) where the weights
+    the files' quantized weights and their stored dtypes (read as stored, in place) where the weights
     hold any; else every Linear weight not `kept`, the rest in the `compute` dtype."""
     if pretrained is None or not pretrained.quantized:
         return linear_weights(kept), lambda _slot: compute
@@ -64,7 +64,7 @@ def quantized_slots(pretrained: PretrainedWeights | None, kept: set[nn.Module], 
 
 def stored_spans(unit: FlatUnit, pretrained: PretrainedWeights) -> UnitSpans | None:
     """The spans of the files a quantized unit's stored bytes are, where the files hold every one of
-    its quantized weights 4-bit and its other parameters in the dtype its layout stores them in
+    its quantized weights quantized and its other parameters in the dtype its layout stores them in
     (each weight's nested-scales offset is taken from its saved state); else None."""
     q = unit.quantized
     assert q is not None

@@ -1,13 +1,15 @@
-"""Weights a directory holds already quantized, as bitsandbytes saves a 4-bit layer: read in place.
+"""Weights a directory holds already quantized, as bitsandbytes saves a 4-bit or 8-bit layer: read in place.
 
 `save_pretrained` of a model loaded 4-bit writes, for each quantized weight `W`, its codes under
 `W` (uint8, two a byte) beside `W.quant_map`, `W.absmax` and, under double quantization,
 `W.nested_absmax` and `W.nested_quant_map`, and its state as JSON bytes under
 `W.quant_state.bitsandbytes__nf4` (or `__fp4`): the shape, the block sizes and the nested scales'
-offset. `stored_quantized` takes these tensors out of a file's index and returns one
-`StoredQuantized` per weight; the engine then rests the weight's unit on spans of those tensors in
-the files (runtime/quantized_base.py; runtime/quantized.py's layout is the same parts in the same
-order), never copying a byte into the swap file, and decodes them as it decodes codes it made itself.
+offset. An 8-bit layer's weight `M.weight` is its codes (int8) beside `M.SCB` (an fp32 absmax a
+row) and `M.weight_format` (0: rows as stored). `stored_quantized` takes these tensors out of a
+file's index and returns one `StoredQuantized` per weight; the engine then rests the weight's unit
+on spans of those tensors in the files (runtime/quantized_base.py; runtime/quantized.py's layout is
+the same parts in the same order), never copying a byte into the swap file, and decodes them as it
+decodes codes it made itself.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from outcore.runtime.quantized import BLOCK, NESTED_BLOCK, QuantizedWeight
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _PARTS = {"codes": "", "code": ".quant_map", "absmax": ".absmax", "nested_absmax
 
 @dataclass(frozen=True)
 class StoredQuantized:
-    """A weight saved 4-bit: its layout, its parts' stored tensors and its nested scales' offset."""
+    """A weight saved quantized: its layout, its parts' stored tensors and its nested scales' offset."""
 
     weight: QuantizedWeight
     parts: dict[str, Any]  # part name -> the StoredTensor holding it (runtime/pretrained.py)
@@ -40,10 +41,10 @@ class StoredQuantized:
 
 
 def stored_quantized(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
-    """The 4-bit weights among `tensors` (a file index's StoredTensors), by name; their tensors
-    (codes, tables, scales, state) are removed from `tensors`. ValueError naming a weight saved in
-    a way outcore does not read."""
-    out = {}
+    """The 4-bit and 8-bit weights among `tensors` (a file index's StoredTensors), by name; their
+    tensors (codes, tables, scales, state) are removed from `tensors`. ValueError naming a weight
+    saved in a way outcore does not read."""
+    out = _stored_int8(tensors)
     for key in [k for k in tensors if _STATE in k]:
         name, kind = key.split(_STATE)
         state_tensor = tensors.pop(key)
@@ -68,12 +69,36 @@ def stored_quantized(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
     return out
 
 
-def _state(stored: Any) -> dict:
+def _stored_int8(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
+    out = {}
+    for key in [k for k in tensors if k.endswith(".SCB")]:
+        module = key.removesuffix(".SCB")
+        name = module + ".weight"
+        codes, row_absmax = tensors.get(name), tensors[key]
+        if codes is None or codes.dtype != torch.int8 or len(codes.shape) != 2:
+            continue  # not a layer bitsandbytes saved 8-bit
+        weight = QuantizedWeight(tuple(codes.shape), "int8", False)
+        form = tensors.pop(module + ".weight_format", None)
+        if form is not None and _read(form) not in (b"\x00", b""):
+            raise ValueError(f"{form.file!r} holds {name!r} 8-bit in a tiled format ({form.key!r} is not 0): outcore "
+                             "reads bitsandbytes' 8-bit weights in rows, as transformers saves them today.")
+        if row_absmax.nbytes != weight.shape[0] * 4:
+            raise ValueError(f"{row_absmax.file!r}: the 8-bit weight {name!r} has a {row_absmax.nbytes}-byte {key!r} "
+                             f"(expected {weight.shape[0] * 4}): the file is not as bitsandbytes saves an 8-bit layer.")
+        out[name] = StoredQuantized(weight, {"codes": tensors.pop(name), "row_absmax": tensors.pop(key)}, None)
+    return out
+
+
+def _read(stored: Any) -> bytes:
     fd = os.open(stored.file, os.O_RDONLY)
     try:
-        raw = os.pread(fd, stored.nbytes, stored.begin)
+        return os.pread(fd, stored.nbytes, stored.begin)
     finally:
         os.close(fd)
+
+
+def _state(stored: Any) -> dict:
+    raw = _read(stored)
     try:
         state = json.loads(raw.decode("utf-8"))
         if not isinstance(state, dict):

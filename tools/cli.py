@@ -152,7 +152,7 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.lora_targets is not None and args.lora is None:
             raise ValueError("--lora-targets names the modules LoRA adapts: give --lora R too.")
         if (args.quantize is not None or args.quantize_double) and args.lora is None:
-            raise ValueError("--quantize sizes a frozen base stored 4-bit: give --model DIR and --lora R too.")
+            raise ValueError("--quantize sizes a frozen base stored quantized: give --model DIR and --lora R too.")
         if args.params:
             units, shape = synthetic_unit_numels(args.params)
             dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)

@@ -113,11 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --lora: peft's init_lora_weights, computed as each layer's weights are read: gaussian, "
                    "pissa, pissa_niter_N, olora or orthogonal (default: A random, B zero)")
     t.add_argument("--dora", action="store_true", help="with --lora: DoRA, peft's use_dora")
-    t.add_argument("--quantize", choices=("nf4", "fp4"), help="with --lora: QLoRA, the frozen base's Linear weights "
-                   "stored 4-bit in the tiers as bitsandbytes stores them (a quarter of bf16's bytes), dequantized "
-                   "as each block is used (needs the qlora extra)")
+    t.add_argument("--quantize", choices=("nf4", "fp4", "int8"), help="with --lora: QLoRA, the frozen base's Linear "
+                   "weights stored in the tiers as bitsandbytes stores them, 4-bit (a quarter of bf16's bytes) or "
+                   "8-bit (half), dequantized as each block is used (needs the qlora extra)")
     t.add_argument("--quantize-double", action="store_true",
-                   help="with --quantize: quantize the 4-bit weights' scales too (bitsandbytes' double quantization)")
+                   help="with --quantize nf4|fp4: quantize the 4-bit weights' scales too (bitsandbytes' double "
+                   "quantization)")
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
@@ -188,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lora", type=positive_int, metavar="R", help="with --model DIR: LoRA adapters of rank R on every "
                    "linear layer, the rest frozen (no gradient or optimizer state)")
     _lora_targets(e)
-    e.add_argument("--quantize", choices=("nf4", "fp4"), help="with --lora: the frozen base stored 4-bit in the "
-                   "tiers (Config.quantize): its block weights counted at their stored bytes")
+    e.add_argument("--quantize", choices=("nf4", "fp4", "int8"), help="with --lora: the frozen base stored 4-bit or "
+                   "8-bit in the tiers (Config.quantize): its block weights counted at their stored bytes")
     e.add_argument("--quantize-double", action="store_true", help="with --quantize: the scales quantized too")
     e.add_argument("--world-size", type=positive_int, default=1,
                    help="data-parallel ranks the states are sharded over (default 1)")

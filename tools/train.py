@@ -52,7 +52,7 @@ class TrainOptions:
     lora_targets: tuple[str, ...] | None = None  # with `lora`: the modules adapted (None: every linear one)
     lora_init: str | None = None  # with `lora`: peft's init_lora_weights (None: its default)
     dora: bool = False  # with `lora`: peft's use_dora
-    quantize: str | None = None  # with `lora`: the frozen base stored 4-bit (Config.quantize)
+    quantize: str | None = None  # with `lora`: the frozen base stored quantized (Config.quantize)
     quantize_double: bool = False  # with `quantize`: its scales quantized too
     config: str | None = None  # a runtime.Config file; the flags below override what it says
     steps: int | None = None

@@ -210,17 +210,19 @@ def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path, model_path,
     assert_same_weights(two_sd, one_sd)
 
 
-@pytest.mark.parametrize("where", ["model_init_kwargs", "trainer", "pre-quantized"])
+@pytest.mark.parametrize("where", ["model_init_kwargs", "trainer", "pre-quantized", "8-bit"])
 def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tmp_path, where):
     """`quantization_config` (a BitsAndBytesConfig) in `args.model_init_kwargs` or given to the trainer,
     or `model=` a directory saved 4-bit: the base rests NF4 in outcore's tiers as bitsandbytes stores
-    it (the saved one read in place), and the losses are plain QLoRA's."""
+    it (the saved one read in place), and the losses are plain QLoRA's; so for 8-bit."""
     pytest.importorskip("bitsandbytes")
     model_path = model_dir(str(tmp_path / "model"))
     tok = transformers.AutoTokenizer.from_pretrained(model_path)
     data = conversations()
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                         bnb_4bit_compute_dtype=torch.float32)
+    if where == "8-bit":
+        q = transformers.BitsAndBytesConfig(load_in_8bit=True)
     if where == "pre-quantized":
         transformers.AutoModelForCausalLM.from_pretrained(model_path, quantization_config=q, dtype=torch.float32,
                                                           device_map="cpu").save_pretrained(str(tmp_path / "q"))
@@ -228,7 +230,8 @@ def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tm
         model_path = str(tmp_path / "q")
 
     def run(cls, name, **extra):
-        init = {"dtype": torch.float32, **({"quantization_config": q} if where == "model_init_kwargs" else {})}
+        given_in_args = where in ("model_init_kwargs", "8-bit")
+        init = {"dtype": torch.float32, **({"quantization_config": q} if given_in_args else {})}
         args = trainer_args(str(tmp_path / name), cls=trl.SFTConfig, learning_rate=1e-2, assistant_only_loss=True,
                             max_length=32, model_init_kwargs=init)
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -239,10 +242,12 @@ def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tm
         return trainer
 
     plain = run(trl.SFTTrainer, "plain")
-    assert any(type(m).__name__ == "Linear4bit" for m in plain.model.modules())
+    layer = "Linear8bitLt" if where == "8-bit" else "Linear4bit"
+    assert any(type(m).__name__ == layer for m in plain.model.modules())
     ours = run(outcore_trainer(trl.SFTTrainer), "ours", outcore_config=nvme_config(str(tmp_path / "nvme")))
     assert [u for u in ours.engine.units if u.quantized is not None]
-    assert ours.engine.config.quantize == "nf4" and ours.engine.config.quantize_double
+    assert (ours.engine.config.quantize, ours.engine.config.quantize_double) == (
+        ("int8", False) if where == "8-bit" else ("nf4", True))
     if where == "pre-quantized":
         assert all(u.in_place is not None for u in ours.engine.units if u.quantized is not None)
     assert_close_rel(logged(ours, "loss"), logged(plain, "loss"), rel=1e-4)
@@ -251,8 +256,8 @@ def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tm
 
 def test_a_quantization_the_engine_cannot_honour_is_refused_in_one_line(tmp_path, model_path):
     pytest.importorskip("bitsandbytes")
-    q = transformers.BitsAndBytesConfig(load_in_8bit=True)
-    with pytest.raises(ValueError, match="load_in_8bit=True") as e:
+    q = transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True)
+    with pytest.raises(ValueError, match="llm_int8_has_fp16_weight=True") as e:
         outcore.hf.Trainer(model=model_path, args=trainer_args(str(tmp_path / "run")), train_dataset=TokenRows(),
                            quantization_config=q, outcore_config=nvme_config(str(tmp_path / "nvme")))
     assert "\n" not in str(e.value)

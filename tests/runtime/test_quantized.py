@@ -1,6 +1,6 @@
 """QLoRA in the tiers (runtime/quantized.py): the frozen base's Linear weights rest as bitsandbytes'
-4-bit codes and scales, bit for bit, and a LoRA run on them trains as plain transformers + peft +
-bitsandbytes QLoRA does (fp32, one rank); a resume derives the same codes again and continues
+4-bit or 8-bit codes and scales, bit for bit, and a LoRA run on them trains as plain transformers +
+peft + bitsandbytes QLoRA does (fp32, one rank); a resume derives the same codes again and continues
 exactly; the weights files are never written."""
 
 import os
@@ -21,7 +21,7 @@ functional = pytest.importorskip("bitsandbytes.functional")
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
 
 
-def _engine(directory, tmp_path, name, kind="nf4", double=True, params="nvme"):
+def _engine(directory, tmp_path, name, kind="nf4", double=True, params="nvme"):  # kind None: as the files hold it
     config = outcore.Config(stage=3, offload_params=params, offload_optimizer="nvme", grad_clip=None,
                             nvme_dir=str(tmp_path / f"nvme-{name}"), quantize=kind, quantize_double=double)
     model = peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA))
@@ -29,9 +29,10 @@ def _engine(directory, tmp_path, name, kind="nf4", double=True, params="nvme"):
 
 
 def _bnb_base(directory, kind="nf4", double=True):
-    """The base as a QLoRA user loads it: transformers with bitsandbytes' 4-bit Linear layers."""
-    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
-                                        bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=double)
+    """The base as a QLoRA user loads it: transformers with bitsandbytes' 4-bit (or 8-bit) Linear layers."""
+    q = transformers.BitsAndBytesConfig(load_in_8bit=True) if kind == "int8" else transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double)
     return transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q, dtype=torch.float32,
                                                              device_map="cpu").train()
 
@@ -91,6 +92,61 @@ def test_qlora_trains_as_transformers_peft_and_bitsandbytes_do(tmp_path, params)
     engine.close()
 
 
+def test_int8_codes_and_row_scales_are_bitsandbytes_own_bit_for_bit(tmp_path):
+    directory = save_model("llama", str(tmp_path / "m"))
+    engine = _engine(directory, tmp_path, "a", "int8", False)
+    weights = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    checked = 0
+    for unit in [u for u in engine.units if u.quantized is not None]:
+        raw = engine.store.fetch_now(unit.param_key, outcore.Tier.HOST).clone()
+        engine.store.release(unit.param_key)
+        for slot, part, at in zip(unit.plan.slots, unit.quantized.parts, unit.quantized.offsets, strict=True):
+            if part is None:
+                continue
+            name = slot.state_dict_names[0].replace("base_model.model.", "").replace(".base_layer", "")
+            codes, row_absmax, _ = functional.int8_vectorwise_quant(weights[name].half())  # as Int8Params does
+            mine = part._split(raw[at : at + part.nbytes])
+            assert torch.equal(mine["codes"].view(torch.int8), codes.reshape(-1))
+            assert torch.equal(mine["row_absmax"].view(torch.float32), row_absmax)
+            layer = bnb.nn.Linear8bitLt(*reversed(codes.shape), bias=False, has_fp16_weights=False)
+            layer.weight = bnb.nn.Int8Params(weights[name].clone(), requires_grad=False, has_fp16_weights=False)
+            layer = layer.to("cpu").train()
+            x = torch.randn(3, codes.shape[1])
+            expected = layer(x)  # bitsandbytes' own training matmul on the CPU
+            decoded = part.decode(raw[at : at + part.nbytes], torch.float32, None)
+            torch.testing.assert_close(torch.nn.functional.linear(x, decoded), expected, rtol=0, atol=0)
+            checked += 1
+    assert checked == 7 * len([n for n in weights if n.endswith("mlp.down_proj.weight")])
+    assert all(u.quantized.parts[i].nbytes < 0.3 * u.plan.slots[i].numel * 4 for u in engine.units
+               if u.quantized is not None for i in range(len(u.plan.slots)) if u.quantized.parts[i] is not None)
+    engine.close()
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["quantized-at-start", "pre-quantized"])
+def test_int8_lora_trains_as_transformers_peft_and_bitsandbytes_8bit_do(tmp_path, saved):
+    directory = save_model("llama", str(tmp_path / "m"))
+    if saved:
+        directory = _pre_quantized(directory, str(tmp_path / "q"), "int8")
+    before = {f: file_checksum(os.path.join(directory, f)) for f in os.listdir(directory)
+              if f.endswith(".safetensors")}
+    engine = _engine(directory, tmp_path, "a", None if saved else "int8", False)
+    assert engine.config.quantize == "int8"
+    quantized = [u for u in engine.units if u.quantized is not None]
+    assert quantized and all((u.in_place is not None) == saved for u in quantized)
+    ref = (peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu"),
+                               peft.LoraConfig(**LORA)).train() if saved else _reference(directory, "int8"))
+    assert any(type(m).__name__ == "Linear8bitLt" for m in ref.modules())
+    ref.load_state_dict({k: v for k, v in engine.full_state_dict().items() if "lora_" in k}, strict=False)
+    data = token_batches(4)
+    assert_close_losses(engine_steps(engine, data), plain_steps(ref, data), rel=1e-4)
+    theirs = ref.state_dict()
+    for k, v in engine.full_state_dict().items():
+        if "lora_" in k:
+            torch.testing.assert_close(v, theirs[k], rtol=1e-3, atol=1e-5)
+    engine.close()
+    assert {f: file_checksum(os.path.join(directory, f)) for f in before} == before
+
+
 def test_a_resume_derives_the_same_codes_and_continues_exactly(tmp_path):
     directory = save_model("llama", str(tmp_path / "m"))
     data = token_batches(4)
@@ -140,7 +196,8 @@ def test_two_gloo_ranks_equal_one_on_the_global_batch(tmp_path):
     one.close()
 
 
-def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_4bit_base_in_peft(tmp_path):
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_quantized_base_in_peft(tmp_path, kind):
     import json
 
     from hf_models import STORY, save_tokenizer
@@ -153,10 +210,11 @@ def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_4bit_base_in_peft(tmp_p
     data.write_text("".join(json.dumps({"text": STORY * 3}) + "\n" for _ in range(40)))
     assert main(["train", "--model", directory, "--data", str(data), "--seq", "16", "--batch", "4", "--out",
                  str(tmp_path / "run"), "--offload-params", "nvme", "--offload-optimizer", "nvme", "--dtype", "fp32",
-                 "--eval-batches", "1", "--lora", "8", "--steps", "12", "--lr", "3e-2", "--quantize", "nf4",
-                 "--quantize-double", "--merge-adapters", "--json", str(tmp_path / "s.json")]) == 0
+                 "--eval-batches", "1", "--lora", "8", "--steps", "12", "--lr", "3e-2", "--quantize", kind,
+                 *(["--quantize-double"] if kind == "nf4" else []), "--merge-adapters",
+                 "--json", str(tmp_path / "s.json")]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
-    assert s["config"]["quantize"] == "nf4" and s["config"]["quantize_double"] is True
+    assert s["config"]["quantize"] == kind and s["config"].get("quantize_double", False) is (kind == "nf4")
     adapters = str(tmp_path / "run" / "adapters")
     # the merged export: the adapters merged into the original weights (the codes only approximate them)
     merged = transformers.AutoModelForCausalLM.from_pretrained(s["exported"])
@@ -167,7 +225,7 @@ def test_the_cli_s_qlora_adapters_load_onto_bitsandbytes_4bit_base_in_peft(tmp_p
         torch.testing.assert_close(merged.state_dict()[k], v, rtol=1e-6, atol=1e-6)
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     x = tok(STORY * 3, return_tensors="pt").input_ids[:, :16]  # a row it trained on
-    base = _bnb_base(directory)
+    base = _bnb_base(directory, kind)
     with torch.no_grad():
         before = base(input_ids=x, labels=x).loss.item()
     tuned = peft.PeftModel.from_pretrained(base, adapters).train()
@@ -208,18 +266,19 @@ def test_the_memory_plan_and_estimate_count_the_quantized_bytes(tmp_path, capsys
     assert engine.stats()["nvme"]["bytes"] <= plan.nvme.states and stored <= plan.nvme.states
     engine.close()
     rows = {}
-    for q in ([], ["--quantize", "nf4", "--quantize-double"]):
-        out = tmp_path / f"e{len(q)}.json"
+    for name, q in (("bf16", []), ("nf4", ["--quantize", "nf4", "--quantize-double"]),
+                    ("int8", ["--quantize", "int8"])):
+        out = tmp_path / f"e-{name}.json"
         assert main(["estimate", "--model", directory, "--lora", "4", "--stage", "3", "--offload-params", "none",
                      "--offload-optimizer", "none", "--json", str(out), *q]) == 0
-        rows[bool(q)] = json.loads(out.read_text())["rows"][0]["device"]["states"]
-    assert rows[True] < rows[False]  # (the tiny model's embeddings, head and page rounding weigh most here)
+        rows[name] = json.loads(out.read_text())["rows"][0]["device"]["states"]
+    assert rows["nf4"] < rows["int8"] < rows["bf16"]  # (the embeddings, head and page rounding weigh most here)
     assert main(["estimate", "--model", directory, "--quantize", "nf4"]) == 2
     assert "--lora R" in capsys.readouterr().err
 
 
 def _pre_quantized(directory, target, kind="nf4", double=True):
-    """`directory` loaded 4-bit by transformers and bitsandbytes and saved again: a pre-quantized directory."""
+    """`directory` loaded 4-bit (or 8-bit) by transformers and bitsandbytes and saved again: pre-quantized."""
     _bnb_base(directory, kind, double).save_pretrained(target)
     return target
 
