@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from torch import nn
 from outcore.hf.adapter_init import draw_as_peft
 from outcore.hf.model_info import hf_checkpointing, is_peft
 from outcore.hf.quantization import quantized_config
+from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
 from outcore.hf.source import HFModel
 from outcore.hf.trainer_checkpoint import CHECKPOINT_SUBDIR, check_resumable, identity, new_run_id, write_identity
 from outcore.runtime.config import Config
@@ -110,9 +112,12 @@ class OutcoreTrainerMixin:
     engine: Engine
     args: Any
     model: nn.Module
+    train_dataset: Any
+    eval_dataset: Any
 
-    def __init__(self, model: Any = None, args: Any = None, *positional: Any,
-                 outcore_config: Config | None = None, **kwargs: Any) -> None:
+    def __init__(self, *positional: Any, outcore_config: Config | None = None, **kwargs: Any) -> None:
+        kwargs = _by_keyword(super().__init__, positional, kwargs)
+        model, args = kwargs.pop("model", None), kwargs.pop("args", None)
         said = refusals(args, kwargs)
         if said:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
@@ -125,6 +130,10 @@ class OutcoreTrainerMixin:
             raise ValueError(f"{type(self).__name__}: model= a Hugging Face model directory or a module; got "
                              f"{type(model).__name__}.")
         peft_config = kwargs.pop("peft_config", None)
+        if peft_config is None and is_peft(model) and takes_reference(super().__init__):
+            raise ValueError(f"{type(self).__name__}: model= a peft model: TRL copies its adapter as the reference, "
+                             "which needs its values before outcore has read them; give the base as model= and the "
+                             "adapters' LoraConfig as peft_config=.")
         if peft_config is not None:
             model = _with_adapters(model, peft_config, args)
         if args is not None and args.gradient_checkpointing:
@@ -133,17 +142,50 @@ class OutcoreTrainerMixin:
                 raise ValueError(f"gradient_checkpointing=True: {type(model).__name__} has no activation "
                                  "checkpointing of its own; leave it False.")
             enable()
+        self.reference: Engine | None = None  # DPO's or KTO's frozen reference without peft (hf/reference_model.py)
+        if wants_reference(super().__init__, kwargs, args, adapters=is_peft(model)):
+            if weights is None:
+                raise ValueError(f"{type(self).__name__}: model= a module and no ref_model=: give model= the model's "
+                                 "directory, which outcore reads in place as the reference too.")
+            given = outcore_config or Config()
+            self.reference = reference_engine(HFModel(weights), engine_config(given, args) if args else given,
+                                              seed=getattr(args, "seed", 42))
+            kwargs["ref_model"] = self.reference.module
         self._resume_from: str | None = None
         self._run_id = new_run_id()  # ties each checkpoint-N to this run (hf/trainer_checkpoint.py)
         self._last_stats: dict[str, Any] = {}
         self._pending: list[dict[str, Any]] = []
-        super().__init__(model, args, *positional, **kwargs)  # type: ignore[call-arg]
+        self._deferred_precompute: list[tuple[str, int]] = []
+        with hashed_by_files(type(self), weights):
+            super().__init__(model=model, args=args, **kwargs)  # type: ignore[call-arg]
+        _drop_reference_copy(self.model)
         decay = set(self.get_decay_parameter_names(self.model))  # type: ignore[attr-defined]
         no_decay = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay)
         hp = AdamW(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                    eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay, no_decay=no_decay)
         config = quantized_config(engine_config(outcore_config or Config(), self.args), quantization)
         self.engine = Engine(self.model, config, hp, weights=weights, seed=self.args.seed)
+        self._precompute_deferred()
+
+    # -- DPO's reference log-probs, computed ahead once the engine can run the model ----------------
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """`DPOTrainer(precompute_ref_log_probs=True)` runs the reference over the data inside its
+        `__init__`, before the engine exists: put off until it does."""
+        if getattr(self, "engine", None) is None:
+            self._deferred_precompute.append((name, batch_size))
+            return dataset
+        return super()._precompute_ref_logps(dataset, name, batch_size)  # type: ignore[misc]
+
+    def _precompute_deferred(self) -> None:
+        for name, batch_size in self._deferred_precompute:
+            if name == "train":
+                self.train_dataset = self._precompute_ref_logps(self.train_dataset, name, batch_size)
+            elif isinstance(self.eval_dataset, dict):
+                self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
+            else:
+                self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
+        self._deferred_precompute = []
 
     # -- the model stays where the engine puts it ---------------------------------------------------
 
@@ -208,8 +250,21 @@ class OutcoreTrainerMixin:
             losses.append(loss.detach())
             return loss * count  # the engine averages the window's micro-batches, the trainer sums them
 
-        self._last_stats = self.engine.train_batch(batch, compute_loss=compute_loss)
+        if self._forwards_per_micro_batch() == 1:
+            self._last_stats = self.engine.train_batch(batch, compute_loss=compute_loss)
+        else:  # each micro-batch forward and backward in turn: each unit read once a micro-batch and a pass
+            for micro_batch in batch:
+                self.engine.backward(compute_loss(micro_batch))
+            self._last_stats = self.engine.step()
         return torch.stack(losses).sum().to(self.args.device)
+
+    def _forwards_per_micro_batch(self) -> int:
+        """1 where the trainer's `compute_loss` calls the model once, which the engine's vertical
+        schedule needs (runtime/vertical.py); 2 where it may call it again, for a reference (DPO's or
+        KTO's with the adapters off, or a frozen reference model) or a KL estimate: interleaved
+        micro-batches would share the adapters' on/off switch and the reference's units."""
+        several = {"DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"}
+        return 2 if any(c.__name__ in several for c in type(self).__mro__) else 1
 
     def _loss_scaled_for_window(self, num_items_in_batch: Any) -> bool:
         """As the Trainer decides it: a loss normalized over the whole window (by `num_items_in_batch`,
@@ -276,6 +331,20 @@ class OutcoreTrainerMixin:
         self.engine.load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR))
 
 
+def _by_keyword(init: Callable[..., None], positional: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of the trainer underneath by its name: the order of its positional parameters
+    differs from class to class (`DPOTrainer`'s second is `ref_model`, `GRPOTrainer`'s `reward_funcs`)."""
+    names = [p.name for p in inspect.signature(init).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) > len(names):
+        raise TypeError(f"the trainer takes {len(names)} positional arguments ({', '.join(names)}); "
+                        f"{len(positional)} were given.")
+    both = [n for n in names[: len(positional)] if n in kwargs]
+    if both:
+        raise TypeError(f"the trainer got {both[0]!r} both by position and by keyword.")
+    return {**dict(zip(names, positional, strict=False)), **kwargs}
+
+
 def _quantization(args: Any, kwargs: dict[str, Any]) -> Any:
     """The `BitsAndBytesConfig` given as the trainer's `quantization_config=` (taken out of `kwargs`:
     the model the trainer underneath gets is built) or in `args.model_init_kwargs`; refused in both."""
@@ -285,6 +354,15 @@ def _quantization(args: Any, kwargs: dict[str, Any]) -> Any:
         raise ValueError("quantization_config is given both to the trainer and in args.model_init_kwargs; give it "
                          "once.")
     return given if given is not None else in_args
+
+
+def _drop_reference_copy(model: nn.Module) -> None:
+    """TRL's preference trainers, given a model peft wraps already, copy its adapter as their reference
+    (a "ref" adapter); plain TRL given `peft_config` makes none and takes the base with the adapters
+    off. Here the trainer underneath always sees a wrapped model, so the copy it made of adapters
+    made from `peft_config` is removed, as plain TRL would not have made it."""
+    if "ref" in (getattr(model, "peft_config", None) or {}):
+        model.delete_adapter("ref")  # type: ignore[operator]
 
 
 def _with_adapters(model: nn.Module, peft_config: Any, args: Any) -> nn.Module:

@@ -7,7 +7,8 @@
 - a frozen unit has no gradient to say when backward is done with it: a hook on the gradients of
   its module's inputs does (runtime/units.py [Note: frozen units]).
 The root unit (everything outside the repeated blocks) is gathered in the root's forward pre-hook
-and released only when its own gradient is complete, or, without grad, when its forward returns.
+and released only when its own gradient is complete, or, without grad, when its forward returns
+(unless a forward with grad holds it for its backward: a preference trainer's reference pass).
 A module below the root that holds root parameters and is called on its own (`generate()` of an
 encoder-decoder runs `model.get_encoder()` first) gathers the root unit the same way.
 
@@ -88,7 +89,11 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
     """Wire `unit` to `engine`; returns the handles (removed by `Engine.close`)."""
     module = unit.plan.module
 
+    held: list[bool] = []  # per root forward under way: was the root unit gathered before it began
+
     def pre_forward(_module, _args):
+        if is_root:
+            held.append(unit.state is not UnitState.SHARDED)
         engine.unit_forward_start(unit)
 
     def post_forward(_module, _args, output):
@@ -105,7 +110,9 @@ def register_unit_hooks(engine: UnitHookTarget, unit: FlatUnit, *, is_root: bool
                 tensors, lambda _grads: engine.unit_backward_end(unit), mode="all")
 
     def root_without_grad(_module, _args, _output):
-        if not torch.is_grad_enabled():  # no backward will come to release it (inference, generate)
+        # No backward will come to release it (inference, generate), unless a forward with grad
+        # gathered it before this one began (a reference pass between a loss's forward and its backward).
+        if not held.pop() and not torch.is_grad_enabled():
             engine.unit_backward_end(unit)
 
     handles = [module.register_forward_pre_hook(_eager(pre_forward))]
