@@ -38,6 +38,8 @@ class HFModel:
     # Training packs text for a causal LM; sizing memory (`outcore estimate`) takes any model, built
     # with its LM head where transformers has one (a causal or a sequence-to-sequence LM).
     causal_only: bool = True
+    attn_implementation: str | None = None  # transformers' own choice where None
+    config_overrides: tuple[tuple[str, Any], ...] = ()  # settings of config.json changed, as from_pretrained(**kw)
 
     def __post_init__(self) -> None:
         if not os.path.exists(os.path.join(self.directory, "config.json")):
@@ -50,10 +52,16 @@ class HFModel:
         from transformers import AutoConfig
 
         try:
-            return AutoConfig.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
+            config = AutoConfig.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
+        for key, value in self.config_overrides:
+            if not hasattr(config, key):
+                raise ValueError(f"model_init_kwargs {key}={value!r}: not a setting of {type(config).__name__} "
+                                 f"({self.directory}), nor one outcore takes.")
+            setattr(config, key, value)
+        return config
 
     def build(self) -> nn.Module:
         """The model, parameters on the meta device, with LoRA adapters when asked for (on the meta
@@ -141,7 +149,8 @@ class HFModel:
         with deferred_init():
             for kind in kinds:
                 try:
-                    model = kind.from_config(config)
+                    model = kind.from_config(config, **({"attn_implementation": self.attn_implementation}
+                                                        if self.attn_implementation else {}))
                 except ValueError as e:
                     first = first or e
                     continue

@@ -24,12 +24,13 @@ refused in one line before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from torch import nn
 
 from outcore.hf.adapter_init import draw_as_peft
 from outcore.hf.model_info import hf_checkpointing, is_peft
+from outcore.hf.model_init import ModelInit, compute_dtype, model_init
 from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
 from outcore.hf.source import HFModel
@@ -81,10 +83,12 @@ def refusals(args: Any, kwargs: dict[str, Any]) -> list[str]:
     return out
 
 
-def engine_config(config: Config, args: Any) -> Config:
-    """`config` with what the trainer's arguments decide: the compute dtype, clipping and the
-    accumulation window. A dtype set in `config` that the arguments contradict is refused."""
+def engine_config(config: Config, args: Any, init: ModelInit | None = None) -> Config:
+    """`config` with what the trainer's arguments decide: the compute dtype (or `model_init_kwargs`'
+    where the flags leave it open), clipping and the accumulation window. A dtype set in `config`
+    that the arguments contradict is refused."""
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+    dtype = (compute_dtype(init, args) if init is not None else None) or dtype
     if config.dtype not in ("fp32", dtype):
         raise ValueError(f"outcore_config dtype={config.dtype!r} and the trainer's arguments ({dtype}) disagree; "
                          f"set bf16=/fp16= in the arguments, which decide it.")
@@ -121,11 +125,17 @@ class OutcoreTrainerMixin:
         said = refusals(args, kwargs)
         if said:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
-        quantization = _quantization(args, kwargs)
-        weights = None
+        init = model_init(getattr(args, "model_init_kwargs", None))
+        quantization = _quantization(init, kwargs)
+        weights, source = None, None
         if isinstance(model, (str, os.PathLike)):
             weights = os.path.abspath(os.fspath(model))
-            model = HFModel(weights).build()
+            source = HFModel(weights, attn_implementation=init.attn_implementation,
+                             config_overrides=tuple(init.config_overrides.items()))
+            model = source.build()
+        elif getattr(args, "model_init_kwargs", None):
+            raise ValueError(f"{type(self).__name__}: args.model_init_kwargs set with model= a module, which is built "
+                             "already; give model= the model's directory, or leave model_init_kwargs out.")
         elif not isinstance(model, nn.Module):
             raise ValueError(f"{type(self).__name__}: model= a Hugging Face model directory or a module; got "
                              f"{type(model).__name__}.")
@@ -144,11 +154,11 @@ class OutcoreTrainerMixin:
             enable()
         self.reference: Engine | None = None  # DPO's or KTO's frozen reference without peft (hf/reference_model.py)
         if wants_reference(super().__init__, kwargs, args, adapters=is_peft(model)):
-            if weights is None:
+            if source is None:
                 raise ValueError(f"{type(self).__name__}: model= a module and no ref_model=: give model= the model's "
                                  "directory, which outcore reads in place as the reference too.")
             given = outcore_config or Config()
-            self.reference = reference_engine(HFModel(weights), engine_config(given, args) if args else given,
+            self.reference = reference_engine(source, engine_config(given, args, init) if args else given,
                                               seed=getattr(args, "seed", 42))
             kwargs["ref_model"] = self.reference.module
         self._resume_from: str | None = None
@@ -156,14 +166,14 @@ class OutcoreTrainerMixin:
         self._last_stats: dict[str, Any] = {}
         self._pending: list[dict[str, Any]] = []
         self._deferred_precompute: list[tuple[str, int]] = []
-        with hashed_by_files(type(self), weights):
+        with hashed_by_files(type(self), weights), _taken(args):
             super().__init__(model=model, args=args, **kwargs)  # type: ignore[call-arg]
         _drop_reference_copy(self.model)
         decay = set(self.get_decay_parameter_names(self.model))  # type: ignore[attr-defined]
         no_decay = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay)
         hp = AdamW(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                    eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay, no_decay=no_decay)
-        config = quantized_config(engine_config(outcore_config or Config(), self.args), quantization)
+        config = quantized_config(engine_config(outcore_config or Config(), self.args, init), quantization)
         self.engine = Engine(self.model, config, hp, weights=weights, seed=self.args.seed)
         self._precompute_deferred()
 
@@ -345,11 +355,26 @@ def _by_keyword(init: Callable[..., None], positional: tuple[Any, ...], kwargs: 
     return {**dict(zip(names, positional, strict=False)), **kwargs}
 
 
-def _quantization(args: Any, kwargs: dict[str, Any]) -> Any:
+@contextlib.contextmanager
+def _taken(args: Any) -> Iterator[None]:
+    """`args.model_init_kwargs` hidden from the trainer underneath while it is built: outcore took
+    them (hf/model_init.py), and TRL would say they were ignored."""
+    kwargs = getattr(args, "model_init_kwargs", None)
+    if kwargs is None:
+        yield
+        return
+    args.model_init_kwargs = None
+    try:
+        yield
+    finally:
+        args.model_init_kwargs = kwargs
+
+
+def _quantization(init: ModelInit, kwargs: dict[str, Any]) -> Any:
     """The `BitsAndBytesConfig` given as the trainer's `quantization_config=` (taken out of `kwargs`:
     the model the trainer underneath gets is built) or in `args.model_init_kwargs`; refused in both."""
     given = kwargs.pop("quantization_config", None)
-    in_args = (getattr(args, "model_init_kwargs", None) or {}).get("quantization_config")
+    in_args = init.quantization_config
     if given is not None and in_args is not None:
         raise ValueError("quantization_config is given both to the trainer and in args.model_init_kwargs; give it "
                          "once.")
