@@ -43,6 +43,7 @@ from outcore.hf.model_init import ModelInit, compute_dtype, model_init
 from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
 from outcore.hf.source import HFModel
+from outcore.hf.trained_model import answer_through_engine
 from outcore.hf.trainer_checkpoint import CHECKPOINT_SUBDIR, check_resumable, identity, new_run_id, write_identity
 from outcore.runtime.config import Config
 from outcore.runtime.engine import Engine
@@ -176,6 +177,7 @@ class OutcoreTrainerMixin:
         config = quantized_config(engine_config(outcore_config or Config(), self.args, init), quantization)
         self.engine = Engine(self.model, config, hp, weights=weights, seed=self.args.seed)
         self._precompute_deferred()
+        answer_through_engine(self.model, self.engine, self.save_model)
 
     # -- DPO's reference log-probs, computed ahead once the engine can run the model ----------------
 

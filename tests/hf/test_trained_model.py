@@ -1,0 +1,67 @@
+"""The lines a fine-tuning script ends with, on `trainer.model` after `trainer.train()`: the counts,
+save_pretrained, merge_and_unload and generate answer as they do on the plain trainer's model."""
+
+import os
+
+import pytest
+import torch
+from trainer_setup import conversations, logged, model_dir, nvme_config, trainer_args
+
+from outcore.hf import outcore_trainer
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+trl = pytest.importorskip("trl")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return model_dir(str(tmp_path_factory.mktemp("llama")))
+
+
+def sft(cls, model_path, directory, with_peft, **extra):
+    args = trainer_args(str(directory), cls=trl.SFTConfig, learning_rate=1e-2, max_length=32, max_steps=3)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = cls(model=model_path, args=args, train_dataset=conversations(),
+                  processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
+                  **({"peft_config": lora} if with_peft else {}), **extra)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("with_peft", [True, False], ids=["lora", "full"])
+def test_the_script_ending_lines_answer_as_on_the_plain_model(tmp_path, model_path, capsys, with_peft):
+    plain = sft(trl.SFTTrainer, model_path, tmp_path / "plain", with_peft)
+    ours = sft(outcore_trainer(trl.SFTTrainer), model_path, tmp_path / "ours", with_peft,
+               outcore_config=nvme_config(str(tmp_path / "nvme")))
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(plain)), rtol=1e-5, atol=0)
+    x = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        want = plain.model.generate(input_ids=x, max_new_tokens=6, do_sample=False)
+        assert torch.equal(ours.model.generate(input_ids=x, max_new_tokens=6, do_sample=False), want)
+    ours.model.save_pretrained(str(tmp_path / "saved"))
+    ours.save_model(str(tmp_path / "by_save_model"))
+    saved = sorted(f for f in os.listdir(tmp_path / "saved") if f != "training_args.bin")
+    assert saved == sorted(f for f in os.listdir(tmp_path / "by_save_model") if f != "training_args.bin")
+    if not with_peft:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x).logits, plain.model(x).logits, rtol=1e-5, atol=1e-5)
+        ours.engine.close()
+        return
+    assert ours.model.get_nb_trainable_parameters() == plain.model.get_nb_trainable_parameters()
+    capsys.readouterr()
+    plain.model.print_trainable_parameters()
+    theirs = capsys.readouterr().out
+    ours.model.print_trainable_parameters()
+    assert capsys.readouterr().out == theirs
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model_path),
+                                            str(tmp_path / "saved"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, plain.model(x).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="merge_adapters=True") as e:
+        ours.model.merge_and_unload()
+    assert "\n" not in str(e.value) and "outcore export" in str(e.value)
+    with pytest.raises(ValueError, match="safe_serialization=False"):
+        ours.model.save_pretrained(str(tmp_path / "other"), safe_serialization=False)
+    ours.engine.close()
