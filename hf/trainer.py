@@ -44,7 +44,14 @@ from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
 from outcore.hf.source import HFModel
 from outcore.hf.trained_model import answer_through_engine
-from outcore.hf.trainer_checkpoint import CHECKPOINT_SUBDIR, check_resumable, identity, new_run_id, write_identity
+from outcore.hf.trainer_checkpoint import (
+    CHECKPOINT_SUBDIR,
+    check_resumable,
+    identity,
+    new_run_id,
+    write_checkpoint_readme,
+    write_identity,
+)
 from outcore.runtime.config import Config
 from outcore.runtime.engine import Engine
 from outcore.runtime.optimizer import AdamW
@@ -311,6 +318,8 @@ class OutcoreTrainerMixin:
             self.engine.export(output_dir, adapters_only=adapters)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
+            if not adapters and _internal_call and not self.args.save_only_model:
+                write_checkpoint_readme(self.model, output_dir)
             if self.processing_class is not None:  # type: ignore[attr-defined]
                 self.processing_class.save_pretrained(output_dir)  # type: ignore[attr-defined]
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import uuid
+from typing import Any
 
 from outcore.runtime.checkpoint_folder import NoCheckpointError, find_checkpoint, read_meta
 
@@ -30,6 +31,22 @@ def new_run_id() -> str:
 def identity(run_id: str, trainer_step: int) -> dict:
     """What a save records on both sides (the engine's client state and RUN_FILE)."""
     return {"run": run_id, "trainer_step": trainer_step}
+
+
+def write_checkpoint_readme(model: Any, checkpoint: str) -> None:
+    """A full fine-tune's `checkpoint-N`: its model's config.json, so that `from_pretrained` names
+    the missing weights rather than an unknown model, and a README.md saying how to get them."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(checkpoint)
+    name = os.path.basename(os.path.normpath(checkpoint))
+    with open(os.path.join(checkpoint, "README.md"), "w") as f:
+        f.write(f"# {name}\n\nThe model's weights and optimizer states are in `{CHECKPOINT_SUBDIR}/`, sharded as "
+                "outcore's engine keeps them; the trainer resumes from this folder as it is. For a model directory "
+                "that `from_pretrained` loads:\n\n"
+                f"    outcore export {name}/{CHECKPOINT_SUBDIR} DIR\n\n"
+                "(or `save_only_model=True` in the trainer's arguments, to export the model into each checkpoint "
+                "instead).\n")
 
 
 def write_identity(checkpoint: str, record: dict) -> None:

@@ -19,8 +19,9 @@ def model_path(tmp_path_factory):
     return model_dir(str(tmp_path_factory.mktemp("llama")))
 
 
-def sft(cls, model_path, directory, with_peft, **extra):
-    args = trainer_args(str(directory), cls=trl.SFTConfig, learning_rate=1e-2, max_length=32, max_steps=3)
+def sft(cls, model_path, directory, with_peft, save_steps=None, **extra):
+    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    args = trainer_args(str(directory), cls=trl.SFTConfig, learning_rate=1e-2, max_length=32, max_steps=3, **saving)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = cls(model=model_path, args=args, train_dataset=conversations(),
                   processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
@@ -64,4 +65,15 @@ def test_the_script_ending_lines_answer_as_on_the_plain_model(tmp_path, model_pa
     assert "\n" not in str(e.value) and "outcore export" in str(e.value)
     with pytest.raises(ValueError, match="safe_serialization=False"):
         ours.model.save_pretrained(str(tmp_path / "other"), safe_serialization=False)
+    ours.engine.close()
+
+
+def test_a_lora_checkpoint_folder_holds_the_adapters_peft_loads(tmp_path, model_path):
+    ours = sft(outcore_trainer(trl.SFTTrainer), model_path, tmp_path / "ours", True, save_steps=3,
+               outcore_config=nvme_config(str(tmp_path / "nvme")))
+    checkpoint = str(tmp_path / "ours" / "checkpoint-3")
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model_path), checkpoint)
+    x = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, ours.engine(input_ids=x).logits, rtol=1e-5, atol=1e-5)
     ours.engine.close()

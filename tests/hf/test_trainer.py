@@ -122,6 +122,14 @@ def test_a_run_resumed_from_its_step_3_checkpoint_ends_as_the_uninterrupted_run(
     saved = set(os.listdir(tmp_path / "run" / "checkpoint-3"))
     assert {"outcore", "trainer_state.json", "rng_state.pth", "training_args.bin"} <= saved
     assert not {"model.safetensors", "optimizer.pt", "scheduler.pt"} & saved  # the engine's checkpoint holds those
+    assert {"config.json", "README.md"} <= saved  # what the folder is, and the command that exports the model
+    readme = (tmp_path / "run" / "checkpoint-3" / "README.md").read_text()
+    assert "outcore export checkpoint-3/outcore DIR" in readme
+    from outcore.tools.cli import main
+
+    assert main(["export", str(tmp_path / "run" / "checkpoint-6" / "outcore"), str(tmp_path / "exported")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
+    assert_same_weights(exported.state_dict(), whole.engine.full_state_dict(), rel=1e-6)
     resumed = outcore.hf.Trainer(model=model_path, args=trainer_args(str(tmp_path / "again")), train_dataset=data,
                                  outcore_config=nvme_config(str(tmp_path / "nvme2")))
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
