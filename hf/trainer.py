@@ -30,6 +30,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -42,6 +43,7 @@ from outcore.hf.model_info import hf_checkpointing, is_peft
 from outcore.hf.model_init import ModelInit, compute_dtype, model_init
 from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
+from outcore.hf.run_report import dropout_note, end_line, start_line
 from outcore.hf.source import HFModel
 from outcore.hf.trained_model import answer_through_engine
 from outcore.hf.trainer_checkpoint import (
@@ -232,6 +234,20 @@ class OutcoreTrainerMixin:
         assert self.engine.lr_scheduler is not None
         self.lr_scheduler = SteppedByEngine(self.engine.lr_scheduler)
         return self.lr_scheduler
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The trainer's own loop, between the two lines hf/run_report.py says of the run."""
+        said = self.is_world_process_zero()  # type: ignore[attr-defined]
+        if said:
+            print(start_line(self.engine), file=sys.stderr)
+            note = dropout_note(self.model)
+            if note is not None:
+                print(note, file=sys.stderr)
+        at_start, step = self.engine.stats(), self.engine.global_step
+        result = super().train(*args, **kwargs)  # type: ignore[misc]
+        if said:
+            print(end_line(self.engine, self.engine.global_step - step, at_start), file=sys.stderr)
+        return result
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         self.create_optimizer()

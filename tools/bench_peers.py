@@ -30,8 +30,8 @@ import time
 
 import psutil
 
+from outcore.runtime.byte_text import human_bytes
 from outcore.tools.report import check_json_argument, peak_rss, table, write_json
-from outcore.tools.units import human_bytes
 
 DEEPSPEED_OFFLOAD = {"deepspeed": "nvme", "deepspeed-cpu": "cpu"}  # kind -> where both states go
 KINDS = ("plain", "outcore", *DEEPSPEED_OFFLOAD)

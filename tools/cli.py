@@ -8,9 +8,10 @@ import logging
 import os
 import sys
 
+from outcore.runtime.byte_text import human_bytes
 from outcore.tools.cli_flags import EXIT_USAGE, build_parser
 from outcore.tools.interrupts import Interrupted, handle_signals
-from outcore.tools.units import human_bytes, human_count
+from outcore.tools.units import human_count
 
 EXIT_OK, EXIT_RUNTIME = 0, 1
 

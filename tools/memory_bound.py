@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.memory_plan import MemoryPlan
 from outcore.tools.activations import available_memory
 from outcore.tools.estimate import estimate
-from outcore.tools.units import human_bytes
 
 OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 SLACK = 0.05  # of --max-memory, kept for what the run allocates beyond these figures (the model's

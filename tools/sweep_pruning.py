@@ -18,10 +18,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from outcore import runtime
+from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory, unit_shapes
 from outcore.runtime.policy import StatePolicy
 from outcore.tools import step_estimate as se
-from outcore.tools.units import human_bytes
 
 PREDICTION_ERROR = 0.20  # docs/benchmarks.md, "The step predicted"
 NOISE_FLOOR = 0.02  # the tuner's own: a candidate must beat the best by more

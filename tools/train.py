@@ -25,6 +25,7 @@ from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import DirectoryLock
+from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
@@ -36,7 +37,7 @@ from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
-from outcore.tools.units import human_bytes, human_count
+from outcore.tools.units import human_count
 
 log = logging.getLogger("outcore.train")
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}

@@ -40,8 +40,8 @@ from torch.nn import functional as F
 
 from outcore import runtime
 from outcore.hf.source import HFModel
+from outcore.runtime.byte_text import human_bytes
 from outcore.tools.sweep_pruning import SweepPruner
-from outcore.tools.units import human_bytes
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],
                  "threads": [2, 4, 8], "nice": [0, 15], "host_budget_fraction": [0.25, 0.5, 1.0]}

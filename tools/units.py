@@ -64,14 +64,6 @@ def parse_list(text: str, parse=int) -> list:
     return [parse(t) for t in items]
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if abs(n) < 1024 or unit == "EiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     return _ranged(text, int, lambda v: v >= 1, "a whole number of at least 1")

@@ -77,3 +77,21 @@ def test_a_lora_checkpoint_folder_holds_the_adapters_peft_loads(tmp_path, model_
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, ours.engine(input_ids=x).logits, rtol=1e-5, atol=1e-5)
     ours.engine.close()
+
+
+def test_the_run_says_where_its_states_live_what_it_moved_and_that_dropout_differs(tmp_path, model_path, capfd):
+    args = trainer_args(str(tmp_path / "ours"), cls=trl.SFTConfig, max_length=32, max_steps=2)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.05,
+                           task_type="CAUSAL_LM")
+    ours = outcore_trainer(trl.SFTTrainer)(model=model_path, args=args, train_dataset=conversations(),
+                                           processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
+                                           peft_config=lora, outcore_config=nvme_config(str(tmp_path / "nvme")))
+    capfd.readouterr()
+    ours.train()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("outcore:")]
+    assert len(lines) == 3, lines
+    assert "parameters on NVMe, optimizer states on NVMe; budgets" in lines[0]
+    assert f"swap files in {tmp_path / 'nvme'}" in lines[0]
+    assert "dropout masks (p=0.05)" in lines[1] and "not bit for bit" in lines[1]
+    assert lines[2].startswith("outcore: 2 steps; in the tiers") and "written a step; peak RSS" in lines[2]
+    ours.engine.close()
