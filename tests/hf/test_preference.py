@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from trainer_setup import STORY, logged, model_dir, nvme_config, trainer_args
+from trainer_setup import STORY, logged, nvme_config, trainer_args
 
 from outcore.hf import outcore_trainer
 
@@ -14,11 +14,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return model_dir(str(tmp_path_factory.mktemp("llama")))
 
 
 def preferences(n: int = 24, seed: int = 0):

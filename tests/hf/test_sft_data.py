@@ -6,17 +6,12 @@ import os
 
 import pytest
 import torch
-from trainer_setup import STORY, TEMPLATE, conversations, model_dir
+from trainer_setup import STORY, TEMPLATE, conversations
 
 from outcore.hf.sft_data import dataset_of, sft_dataset
 from outcore.hf.sft_rows import IGNORE
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return model_dir(str(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")

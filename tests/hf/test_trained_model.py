@@ -5,18 +5,13 @@ import os
 
 import pytest
 import torch
-from trainer_setup import conversations, logged, model_dir, nvme_config, trainer_args
+from trainer_setup import conversations, logged, nvme_config, trainer_args
 
 from outcore.hf import outcore_trainer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 trl = pytest.importorskip("trl")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return model_dir(str(tmp_path_factory.mktemp("llama")))
 
 
 def sft(cls, model_path, directory, with_peft, save_steps=None, **extra):

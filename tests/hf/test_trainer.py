@@ -19,11 +19,6 @@ trl = pytest.importorskip("trl")
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return model_dir(str(tmp_path_factory.mktemp("llama")))
-
-
 def assert_close_rel(got, want, rel=1e-5):
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
