@@ -1,6 +1,7 @@
-"""TRL's preference trainers through outcore against the plain ones, fp32, one rank: DPO with peft (the
-reference is the base with the adapters off) and without (a frozen reference read in place, nothing
-of it in a swap file), with the reference log-probs computed ahead or at each step."""
+"""TRL's preference trainers through outcore against the plain ones, fp32, one rank: DPO and KTO with peft
+(the reference is the base with the adapters off) and without (a frozen reference read in place,
+nothing of it in a swap file), DPO's reference log-probs computed ahead or at each step; ORPO and
+CPO (trl.experimental), which need no reference."""
 
 import random
 
@@ -74,3 +75,57 @@ def test_a_peft_model_given_to_dpo_is_refused_in_one_line(tmp_path, model_path):
                                         processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
                                         outcore_config=nvme_config(str(tmp_path / "nvme")))
     assert "\n" not in str(e.value)
+
+
+def kto_rows(n: int = 24, seed: int = 0):
+    words, rnd = STORY.split(), random.Random(seed)
+    return datasets.Dataset.from_list([
+        {"prompt": " ".join(rnd.choices(words, k=5)), "completion": " " + " ".join(rnd.choices(words, k=3)),
+         "label": i % 2 == 0} for i in range(n)])
+
+
+@pytest.mark.parametrize("with_peft", [True, False], ids=["peft", "full"])
+def test_kto_equals_plain_kto(tmp_path, model_path, with_peft):
+    def run(cls, name, **extra):
+        args = trainer_args(str(tmp_path / name), cls=trl.KTOConfig, learning_rate=1e-2, max_length=32)
+        trainer = cls(model=model_path, args=args, train_dataset=kto_rows(),
+                      processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
+                      **({"peft_config": lora()} if with_peft else {}), **extra)
+        trainer.train()
+        return trainer
+
+    plain = run(trl.KTOTrainer, "plain")
+    ours = run(outcore_trainer(trl.KTOTrainer), "ours", outcore_config=nvme_config(str(tmp_path / "nvme")))
+    for key in ("loss", "grad_norm"):
+        want, got = logged(plain, key), logged(ours, key)
+        assert len(got) == len(want) == 6
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
+    assert (ours.reference is None) == with_peft
+    if ours.reference is not None:
+        assert ours.reference.stats()["nvme"]["file_bytes"] == 0
+        ours.reference.close()
+    ours.engine.close()
+
+
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_orpo_and_cpo_equal_the_plain_trainers(tmp_path, model_path, name):
+    import importlib
+
+    module = importlib.import_module(f"trl.experimental.{name}")
+    trainer_cls, config_cls = (getattr(module, f"{name.upper()}Trainer"), getattr(module, f"{name.upper()}Config"))
+
+    def run(cls, directory, **extra):
+        args = trainer_args(str(tmp_path / directory), cls=config_cls, learning_rate=1e-2, max_length=32)
+        trainer = cls(model=model_path, args=args, train_dataset=preferences(),
+                      processing_class=transformers.AutoTokenizer.from_pretrained(model_path), peft_config=lora(),
+                      **extra)
+        trainer.train()
+        return trainer
+
+    plain = run(trainer_cls, "plain")
+    ours = run(outcore_trainer(trainer_cls), "ours", outcore_config=nvme_config(str(tmp_path / "nvme")))
+    for key in ("loss", "grad_norm"):
+        want, got = logged(plain, key), logged(ours, key)
+        assert len(got) == len(want) == 6
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-7)
+    ours.engine.close()
