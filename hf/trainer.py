@@ -285,7 +285,7 @@ class OutcoreTrainerMixin:
             losses.append(loss.detach())
             return loss * count  # the engine averages the window's micro-batches, the trainer sums them
 
-        if self._forwards_per_micro_batch() == 1:
+        if not self._calls_model_again():
             self._last_stats = self.engine.train_batch(batch, compute_loss=compute_loss)
         else:  # each micro-batch forward and backward in turn: each unit read once a micro-batch and a pass
             for micro_batch in batch:
@@ -293,13 +293,13 @@ class OutcoreTrainerMixin:
             self._last_stats = self.engine.step()
         return torch.stack(losses).sum().to(self.args.device)
 
-    def _forwards_per_micro_batch(self) -> int:
-        """1 where the trainer's `compute_loss` calls the model once, which the engine's vertical
-        schedule needs (runtime/vertical.py); 2 where it may call it again, for a reference (DPO's or
-        KTO's with the adapters off, or a frozen reference model) or a KL estimate: interleaved
+    def _calls_model_again(self) -> bool:
+        """Whether the trainer's `compute_loss` may call the model more than once a micro-batch, for
+        a reference (DPO's or KTO's with the adapters off, or a frozen reference model) or a KL
+        estimate. The engine's vertical schedule (runtime/vertical.py) needs one call: interleaved
         micro-batches would share the adapters' on/off switch and the reference's units."""
-        several = {"DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"}
-        return 2 if any(c.__name__ in several for c in type(self).__mro__) else 1
+        again = {"DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"}
+        return any(c.__name__ in again for c in type(self).__mro__)
 
     def _loss_scaled_for_window(self, num_items_in_batch: Any) -> bool:
         """As the Trainer decides it: a loss normalized over the whole window (by `num_items_in_batch`,
