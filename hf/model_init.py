@@ -15,7 +15,9 @@ TRL passes them to `from_pretrained`; outcore builds the model from its config u
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,3 +77,29 @@ def compute_dtype(init: ModelInit, args: Any) -> str | None:
         raise ValueError(f"model_init_kwargs dtype is {init.dtype} and the trainer's arguments set {flag}=True: make "
                          "them agree, or leave dtype out.")
     return init.dtype
+
+
+@contextlib.contextmanager
+def hidden_from_trainer(args: Any) -> Iterator[None]:
+    """`args.model_init_kwargs` hidden from the trainer underneath while it is built: outcore took
+    them (hf/model_init.py), and TRL would say they were ignored."""
+    kwargs = getattr(args, "model_init_kwargs", None)
+    if kwargs is None:
+        yield
+        return
+    args.model_init_kwargs = None
+    try:
+        yield
+    finally:
+        args.model_init_kwargs = kwargs
+
+
+def given_quantization(init: ModelInit, kwargs: dict[str, Any]) -> Any:
+    """The `BitsAndBytesConfig` given as the trainer's `quantization_config=` (taken out of `kwargs`:
+    the model the trainer underneath gets is built) or in `args.model_init_kwargs`; refused in both."""
+    given = kwargs.pop("quantization_config", None)
+    in_args = init.quantization_config
+    if given is not None and in_args is not None:
+        raise ValueError("quantization_config is given both to the trainer and in args.model_init_kwargs; give it "
+                         "once.")
+    return given if given is not None else in_args

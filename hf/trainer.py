@@ -24,14 +24,13 @@ refused in one line before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -40,7 +39,7 @@ from torch import nn
 
 from outcore.hf.adapter_init import draw_as_peft
 from outcore.hf.model_info import hf_checkpointing, is_peft
-from outcore.hf.model_init import ModelInit, compute_dtype, model_init
+from outcore.hf.model_init import ModelInit, compute_dtype, given_quantization, hidden_from_trainer, model_init
 from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import hashed_by_files, reference_engine, takes_reference, wants_reference
 from outcore.hf.run_report import dropout_note, end_line, start_line
@@ -136,7 +135,7 @@ class OutcoreTrainerMixin:
         if said:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
         init = model_init(getattr(args, "model_init_kwargs", None))
-        quantization = _quantization(init, kwargs)
+        quantization = given_quantization(init, kwargs)
         weights, source = None, None
         if isinstance(model, (str, os.PathLike)):
             weights = os.path.abspath(os.fspath(model))
@@ -176,7 +175,7 @@ class OutcoreTrainerMixin:
         self._last_stats: dict[str, Any] = {}
         self._pending: list[dict[str, Any]] = []
         self._deferred_precompute: list[tuple[str, int]] = []
-        with hashed_by_files(type(self), weights), _taken(args):
+        with hashed_by_files(type(self), weights), hidden_from_trainer(args):
             super().__init__(model=model, args=args, **kwargs)  # type: ignore[call-arg]
         _drop_reference_copy(self.model)
         decay = set(self.get_decay_parameter_names(self.model))  # type: ignore[attr-defined]
@@ -380,32 +379,6 @@ def _by_keyword(init: Callable[..., None], positional: tuple[Any, ...], kwargs: 
     if both:
         raise TypeError(f"the trainer got {both[0]!r} both by position and by keyword.")
     return {**dict(zip(names, positional, strict=False)), **kwargs}
-
-
-@contextlib.contextmanager
-def _taken(args: Any) -> Iterator[None]:
-    """`args.model_init_kwargs` hidden from the trainer underneath while it is built: outcore took
-    them (hf/model_init.py), and TRL would say they were ignored."""
-    kwargs = getattr(args, "model_init_kwargs", None)
-    if kwargs is None:
-        yield
-        return
-    args.model_init_kwargs = None
-    try:
-        yield
-    finally:
-        args.model_init_kwargs = kwargs
-
-
-def _quantization(init: ModelInit, kwargs: dict[str, Any]) -> Any:
-    """The `BitsAndBytesConfig` given as the trainer's `quantization_config=` (taken out of `kwargs`:
-    the model the trainer underneath gets is built) or in `args.model_init_kwargs`; refused in both."""
-    given = kwargs.pop("quantization_config", None)
-    in_args = init.quantization_config
-    if given is not None and in_args is not None:
-        raise ValueError("quantization_config is given both to the trainer and in args.model_init_kwargs; give it "
-                         "once.")
-    return given if given is not None else in_args
 
 
 def _drop_reference_copy(model: nn.Module) -> None:
