@@ -40,6 +40,7 @@ class HFModel:
     causal_only: bool = True
     attn_implementation: str | None = None  # transformers' own choice where None
     config_overrides: tuple[tuple[str, Any], ...] = ()  # settings of config.json changed, as from_pretrained(**kw)
+    task_class: str | None = None  # the transformers Auto class to build (a trainer's, hf/trainer_model.py)
 
     def __post_init__(self) -> None:
         if not os.path.exists(os.path.join(self.directory, "config.json")):
@@ -141,10 +142,13 @@ class HFModel:
         return {names[m]: rows for m in ends}
 
     def _base(self) -> nn.Module:
+        import transformers
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
         config = self.config()
         kinds = [AutoModelForCausalLM] if self.causal_only else [AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModel]
+        if self.task_class is not None:
+            kinds = [getattr(transformers, self.task_class)]
         first: ValueError | None = None  # transformers lists every config class it knows, over many lines
         with deferred_init():
             for kind in kinds:
@@ -161,6 +165,8 @@ class HFModel:
                 model.name_or_path = os.path.abspath(self.directory)
                 return model
         what = f"--model {self.directory!r} is a {config.model_type!r} model ({type(config).__name__}), which"
+        if self.task_class is not None:
+            raise ValueError(f"{what} transformers builds no {self.task_class} from.") from first
         if self.causal_only:
             raise ValueError(f"{what} transformers builds no causal language model from; the command line "
                              "fine-tunes causal LMs. Other models train through outcore.Engine in Python.") from first
