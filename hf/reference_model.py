@@ -1,9 +1,11 @@
 """The frozen reference a preference trainer compares its policy with, paged by an engine of its own.
 
 `DPOTrainer` and `KTOTrainer` without peft load a second, whole copy of the model from `model=` as
-their reference (`ref_model`). Under outcore the reference is the same directory read where it
-lies: every parameter frozen, so its units rest on spans of the weights files (runtime/frozen_in_place.py)
-and nothing of it is copied into a swap file or held whole in memory. With peft the reference is the
+their reference (`ref_model`); `GRPOTrainer` and `RLOOTrainer` with a KL term (`beta > 0`) load it
+from the policy's directory (`create_model_from_path`), which `reference_built_from` intercepts.
+Under outcore the reference is the same directory read where it lies: every parameter frozen, so
+its units rest on spans of the weights files (runtime/frozen_in_place.py) and nothing of it is
+copied into a swap file or held whole in memory. With peft the reference is the
 base with the adapters off, as plain TRL takes it, and no second engine is made.
 """
 
@@ -52,6 +54,32 @@ def reference_engine(model: HFModel, config: Config, seed: int) -> Engine:
     engine = Engine(module, reference, weights=model.directory, seed=seed)
     log.info("the reference model: %s read in place, frozen (nothing of it in a swap file)", model.directory)
     return engine
+
+
+@contextlib.contextmanager
+def reference_built_from(trainer: type, weights: str | None, make: Callable[[], nn.Module]) -> Iterator[None]:
+    """While the trainer underneath is built: where it would build a model from `weights` (the
+    policy's directory; its reference), it gets `make()` instead, the module of a reference engine.
+    Models built from other paths are built as the trainer builds them."""
+    modules = [sys.modules[c.__module__] for c in trainer.__mro__
+               if hasattr(sys.modules[c.__module__], "create_model_from_path")]
+    if weights is None or not modules:
+        yield
+        return
+    saved = [(m, m.create_model_from_path) for m in modules]
+
+    def create_model_from_path(path: str, *args: Any, **kwargs: Any) -> nn.Module:
+        if os.path.isdir(path) and os.path.samefile(path, weights):
+            return make()
+        return saved[0][1](path, *args, **kwargs)
+
+    for m, _ in saved:
+        m.create_model_from_path = create_model_from_path  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.create_model_from_path = original  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
