@@ -62,6 +62,9 @@ from outcore.runtime.optimizer import AdamW
 log = logging.getLogger(__name__)
 
 MIN_TRANSFORMERS = "5.25"  # the oldest release the Trainer integration is tested against (pyproject's hf extra)
+# The trainers tested equal to their plain selves (tests/hf); another is built, and said once to be untested.
+TESTED = ("Trainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "ORPOTrainer", "CPOTrainer", "RewardTrainer",
+          "GRPOTrainer", "RLOOTrainer")
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")  # the Trainer's names for torch's AdamW
 T = TypeVar("T", bound=type)
 
@@ -266,6 +269,11 @@ def outcore_trainer(cls: T) -> T:
     if not callable(getattr(transformers.Trainer, "_prepare_for_training", None)):  # where the loop calls out to us
         raise ImportError(f"outcore's Trainer needs transformers >= {MIN_TRANSFORMERS} (this is "
                           f"{transformers.__version__}): pip install 'outcore[hf]'.")
+    nearest = next(c.__name__ for c in cls.__mro__ if c.__module__.split(".")[0] in ("trl", "transformers"))
+    if nearest not in TESTED:
+        log.warning("outcore_trainer(%s): %s is not among the trainers tested equal to their plain selves under "
+                    "outcore (%s); compare a few steps with the plain trainer before a long run", cls.__name__,
+                    nearest, ", ".join(TESTED))
     bases = (OutcoreTrainerMixin, EngineBackend) if cls is transformers.Trainer else (OutcoreTrainerMixin, cls,
                                                                                        EngineBackend)
     return type(f"Outcore{cls.__name__}", bases,  # type: ignore[return-value]

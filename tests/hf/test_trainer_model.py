@@ -32,3 +32,18 @@ def test_a_subclass_builds_what_its_trainer_builds():
 
     assert built_class(MyReward) == ("AutoModelForSequenceClassification", {"num_labels": 1})
     assert built_class(trl.SFTTrainer) == (None, {})
+
+
+def test_a_trainer_not_tested_under_outcore_is_said_once(caplog):
+    from outcore.hf import outcore_trainer
+
+    class MySFT(trl.SFTTrainer):
+        pass
+
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    with caplog.at_level("WARNING", logger="outcore.hf.trainer"):
+        outcore_trainer(MySFT)
+        assert not caplog.records  # a subclass of a tested trainer
+        outcore_trainer(gkd.GKDTrainer)
+        outcore_trainer(gkd.GKDTrainer)  # made once (cached), said once
+    assert len(caplog.records) == 1 and "GKDTrainer is not among the trainers tested" in caplog.text
