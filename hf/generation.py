@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from outcore.hf.trained_model import parameter_counts
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.engine import Engine
+from outcore.runtime.sizes import human_bytes
 
 GENERATING = ("GRPOTrainer", "RLOOTrainer")  # TRL's trainers that sample completions from the policy
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.engine import Engine
+from outcore.runtime.sizes import human_bytes
 
 _WHERE = {"none": "on the compute device", "cpu": "in host memory", "nvme": "on NVMe"}
 

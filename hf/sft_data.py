@@ -179,8 +179,9 @@ def packed(samples: list[Sample], seq: int, tokenizer: Any, fmt: str, path: str,
     rows = _pack(samples, seq) if packing else [[s] for s in samples]
     counts = Counts(len(samples), truncated, sum(len(s.input_ids) for s in samples),
                     sum(label != IGNORE for s in samples for label in s.labels[1:]), dropped)
+    what = FORMATS[fmt][1] if fmt in FORMATS else "rows of several formats"
     log.info("%s: %d samples of %s, %s; %d of %d tokens (%.0f%%) carry the loss%s", path, len(samples),
-             FORMATS[fmt][1], f"packed into {len(rows)} rows of {seq}" if packing else f"one per row of {seq}",
+             what, f"packed into {len(rows)} rows of {seq}" if packing else f"one per row of {seq}",
              counts.trained, counts.tokens, 100 * counts.trained / max(counts.tokens, 1),
              f"; {truncated} longer than {seq} tokens were cut to it" if truncated else "")
     return SFTDataset(rows, seq, pad if pad is not None else 0, fmt, counts)

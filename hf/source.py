@@ -101,7 +101,24 @@ class HFModel:
         for w in said:
             if _PEFT_DEPRECATION not in str(w.message):  # peft reads transformers' old name; nothing to act on
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self._check_rank(tuned)
         return tuned
+
+    def _check_rank(self, tuned: nn.Module) -> None:
+        """A rank above an adapted layer's smaller dimension adds parameters and no capacity (B·A cannot
+        exceed that rank): refused, naming the first such module."""
+        for name, module in tuned.named_modules():
+            base = getattr(module, "base_layer", None)
+            weight = getattr(base, "weight", None)
+            if not isinstance(getattr(module, "lora_A", None), nn.ModuleDict) or weight is None or weight.dim() != 2:
+                continue
+            smaller = min(weight.shape)
+            if (self.lora_rank or 0) > smaller:
+                inner = name.removeprefix("base_model.model.")
+                raise ValueError(f"--lora {self.lora_rank}: above the smaller dimension of {inner} "
+                                 f"({weight.shape[0]} x {weight.shape[1]}), where an adapter's rank is at most "
+                                 f"{smaller}; give --lora {smaller} or less, or leave {inner.rsplit('.', 1)[-1]} out "
+                                 "of --lora-targets.")
 
     def _check_targets(self, model: nn.Module) -> None:
         """Every name in `lora_targets` names a module: peft adapts what matches and ignores the rest."""

@@ -20,6 +20,7 @@ from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS, STATE_DTYPES
+from outcore.runtime.sizes import parse_count, parse_size
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
 SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit's seed from it stays in torch's range
@@ -195,11 +196,23 @@ def _check_optimizer(hp: dict[str, Any]) -> None:
         hp["betas"] = tuple(float(b) for b in hp["betas"])
 
 
+# Settings a file or mapping may write as the command line does: sizes in bytes ("256M") and counts ("4M").
+_SIZES = ("device_budget", "host_budget", "block_size")
+_COUNTS = ("sub_group_size",)
+
+
 def _build(cls, data: dict[str, Any], what: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{what}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
+    data = dict(data)
+    for key, parse in [(k, parse_size) for k in _SIZES] + [(k, parse_count) for k in _COUNTS]:
+        if isinstance(data.get(key), str):
+            try:
+                data[key] = parse(data[key])
+            except ValueError as e:
+                raise ValueError(f"{what}: {key}={data[key]!r}: {e}.") from None
     try:
         return cls(**data)
     except TypeError as e:

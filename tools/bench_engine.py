@@ -39,10 +39,9 @@ import time
 
 import torch
 
-from outcore.runtime.byte_text import human_bytes
+from outcore.runtime.sizes import human_bytes, parse_size
 from outcore.tools.fio import fio_available, fio_mixed_throughput
 from outcore.tools.report import check_json_argument, peak_rss, write_json
-from outcore.tools.units import parse_size
 
 DISK_BLOCK, DISK_DEPTH = 8 << 20, 4  # the NVMe runs' IOConfig (8 MiB blocks, 4 threads), and fio's
 

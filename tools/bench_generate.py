@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from outcore.tools.arg_types import parse_size, positive_int
 from outcore.tools.bench_pretrained import make_model
 from outcore.tools.report import peak_rss
-from outcore.tools.units import parse_size, positive_int
 
 KINDS = ("plain", "engine")
 

@@ -30,7 +30,7 @@ import time
 
 import psutil
 
-from outcore.runtime.byte_text import human_bytes
+from outcore.runtime.sizes import human_bytes
 from outcore.tools.report import check_json_argument, peak_rss, table, write_json
 
 DEEPSPEED_OFFLOAD = {"deepspeed": "nvme", "deepspeed-cpu": "cpu"}  # kind -> where both states go

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from outcore.hf.model_info import hf_checkpointing
+from outcore.tools.arg_types import parse_size, positive_int
 from outcore.tools.report import peak_rss
-from outcore.tools.units import parse_size, positive_int
 
 KINDS = ("load", "lora", "full", "plain-lora", "trainer")
 

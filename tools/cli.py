@@ -7,11 +7,11 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
-from outcore.runtime.byte_text import human_bytes
-from outcore.tools.cli_flags import EXIT_USAGE, build_parser
+from outcore.runtime.sizes import human_bytes, human_count
+from outcore.tools.cli_flags import EXIT_USAGE, build_parser, given_flags
 from outcore.tools.interrupts import Interrupted, handle_signals
-from outcore.tools.units import human_count
 
 EXIT_OK, EXIT_RUNTIME = 0, 1
 
@@ -77,14 +77,10 @@ def _writable(path: str, flag: str, *, folder: bool) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from outcore.tools.report import write_json
-    from outcore.tools.train import TrainOptions, train
+    from outcore.tools.run_record import recorded, resumed
+    from outcore.tools.train import train
 
     _writable(args.out, "--out", folder=True)
-    if args.nvme_dir:
-        _writable(args.nvme_dir, "--nvme-dir", folder=True)
-
-    if args.preset and args.model:
-        raise UsageError(f"--preset {args.preset} and --model {args.model} each name the model to train: give one.")
     if args.tag and not args.resume:
         raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
     if args.resume:
@@ -93,29 +89,23 @@ def _train(args: argparse.Namespace) -> int:
         checkpoints = os.path.join(args.out, "checkpoints")
         try:
             find_checkpoint(checkpoints, args.tag)
+            saved = recorded(args.out)
+            if saved is not None:  # the run's own arguments, with what this command may change
+                values, changes = resumed(saved, vars(args), getattr(args, "given", set(vars(args))),
+                                          world=int(os.environ.get("WORLD_SIZE", "1")))
+                args = argparse.Namespace(**values)
+                for change in changes:
+                    print(f"outcore train: resumed with {change}", flush=True)
         except NoCheckpointError:
             raise UsageError(f"--resume: no checkpoint in {checkpoints!r} yet; run without --resume first, or point "
                              "--out at the earlier run.") from None
         except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
-    opts = TrainOptions(preset=args.preset or "tiny", model=args.model, lora=args.lora,
-                        merge_adapters=args.merge_adapters, lora_alpha=args.lora_alpha,
-                        lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
-                        quantize=args.quantize, quantize_double=args.quantize_double,
-                        config=args.config,
-                        steps=args.steps, data=args.data, chat_template=args.chat_template,
-                        train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
-                        eval_split=args.eval_split, out=args.out,
-                        nvme_dir=args.nvme_dir, offload_params=args.offload_params,
-                        offload_optimizer=args.offload_optimizer, dtype=args.dtype, state_dtype=args.state_dtype,
-                        batch=args.batch, seq=args.seq,
-                        lr=args.lr, grad_clip=args.grad_clip or None, host_budget=args.host_budget,
-                        device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
-                        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-                        save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
-                        checkpoint_activations=args.checkpoint_activations, seed=args.seed,
-                        collective_timeout=args.timeout, accumulate=args.accumulate, log_every=args.log_every,
-                        report_to=tuple(args.report_to), max_memory=args.max_memory)
+            raise UsageError(str(e) if str(e).startswith("--resume") else f"--resume: {e}") from None
+    if args.nvme_dir:
+        _writable(args.nvme_dir, "--nvme-dir", folder=True)
+    if args.preset and args.model:
+        raise UsageError(f"--preset {args.preset} and --model {args.model} each name the model to train: give one.")
+    opts = train_options(args)
     # Under torchrun every rank runs this; rank 0 speaks and writes the summary, as DeepSpeed and
     # the Hugging Face Trainer log on the main process only. An error is said by each rank it hits.
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -132,6 +122,30 @@ def _train(args: argparse.Namespace) -> int:
                   f"{summary['steps']}; {stopped['resume']}", file=sys.stderr)
         return stopped["exit_code"]
     return EXIT_OK
+
+
+def train_options(args: argparse.Namespace) -> Any:
+    """`outcore train`'s arguments as the TrainOptions `train()` takes."""
+    from outcore.tools.run_record import NOT_RECORDED
+    from outcore.tools.train import TrainOptions
+
+    return TrainOptions(
+        preset=args.preset or "tiny", model=args.model, lora=args.lora, merge_adapters=args.merge_adapters,
+        lora_alpha=args.lora_alpha, lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
+        quantize=args.quantize, quantize_double=args.quantize_double, config=args.config, steps=args.steps,
+        epochs=args.epochs, data=tuple(args.data or ()), chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
+        eval_split=args.eval_split, out=args.out, nvme_dir=args.nvme_dir, offload_params=args.offload_params,
+        offload_optimizer=args.offload_optimizer, dtype=args.dtype, state_dtype=args.state_dtype, batch=args.batch,
+        seq=args.seq, lr=args.lr, lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio, min_lr_rate=args.min_lr_rate, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, grad_clip=args.grad_clip or None,
+        host_budget=args.host_budget, device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
+        checkpoint_activations=args.checkpoint_activations, seed=args.seed, collective_timeout=args.timeout,
+        accumulate=args.accumulate, log_every=args.log_every, report_to=tuple(args.report_to),
+        max_memory=args.max_memory, arguments={k: v for k, v in vars(args).items() if k not in NOT_RECORDED})
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -375,6 +389,8 @@ def _run(argv: list[str] | None) -> int:
     try:
         if getattr(args, "json", None):  # every command's --json, checked before its work
             _writable(args.json, "--json", folder=False)
+        if args.command == "train":  # which flags this command names itself: a resume keeps the run's others
+            args.given = given_flags(sys.argv[1:] if argv is None else argv)
         return COMMANDS[args.command](args)
     except Interrupted as e:
         print(f"outcore {args.command}: {e}", file=sys.stderr)

@@ -10,8 +10,7 @@ from typing import NoReturn, TypeVar
 
 from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
 from outcore.runtime.policy import OFFLOADS, STATE_DTYPES
-from outcore.tools.presets import PRESETS
-from outcore.tools.units import (
+from outcore.tools.arg_types import (
     int_in,
     non_negative_float,
     non_negative_int,
@@ -21,6 +20,9 @@ from outcore.tools.units import (
     positive_float,
     positive_int,
 )
+from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
+from outcore.tools.lr_schedules import DEFAULT_MIN_LR_RATE, SCHEDULES
+from outcore.tools.presets import PRESETS
 
 T = TypeVar("T")
 EXIT_USAGE = 2
@@ -79,6 +81,23 @@ def _lora_init_name(text: str) -> str:
 _lora_init = _typed(_lora_init_name)
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The destinations of the flags `argv` (a command's arguments) names itself, defaults left out."""
+    parser = build_parser()
+    for action in _subparsers(parser):
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command"}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += sub._actions
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="outcore", description="Offload-first, out-of-core training for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
@@ -122,11 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
-    t.add_argument("--steps", type=positive_int, help="optimizer steps (default: 300 for tiny, 1000 for the other "
-                   "presets, 100 with --model)")
-    t.add_argument("--data", help="a preset trains on a UTF-8 text file (default: the Python standard library's "
-                   "sources); --model on .jsonl/.json/.parquet/.txt or a save_to_disk directory of text, messages, "
-                   "prompt-completion, Alpaca or ShareGPT rows")
+    t.add_argument("--steps", type=positive_int, help="optimizer steps; with --epochs, the most it may take "
+                   "(default: 300 for tiny, 1000 for the other presets, 100 with --model)")
+    t.add_argument("--epochs", type=positive_float, metavar="E", help="train E passes over the training rows "
+                   "(E x rows / (batch x accumulate x ranks) steps, rounded up), capped by --steps")
+    t.add_argument("--data", action="append", metavar="FILE[:W]", help="a preset trains on UTF-8 text files "
+                   "(default: the Python standard library's sources); --model on .jsonl/.json/.parquet/.txt or "
+                   "save_to_disk directories of text, messages, prompt-completion, Alpaca or ShareGPT rows. Repeat it "
+                   "to train on several: concatenated, or with --model mixed by weight W (FILE:W, the share of "
+                   "samples drawn from it; default: concatenation)")
     t.add_argument("--chat-template", metavar="FILE", help="with --model: a Jinja chat template in place of the "
                    "tokenizer's own")
     t.add_argument("--train-on-prompt", action="store_true", help="with --model: every token carries the loss "
@@ -152,6 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K micro-batches per optimizer step, each unit read once for all K (Engine.train_batch)")
     t.add_argument("--lr", type=positive_float, help="peak learning rate (default: 2e-3 for tiny, 6e-4 to 1.2e-4 "
                    "for the larger presets by size, 2e-5 for a full fine-tune with --model, 1e-3 with --lora)")
+    t.add_argument("--lr-scheduler", choices=tuple(SCHEDULES), metavar="NAME",
+                   help="the rate's schedule, as transformers' lr_scheduler_type names and computes it: "
+                   f"{', '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE}: linear warm-up, then cosine to "
+                   "--min-lr-rate of the peak)")
+    t.add_argument("--warmup-steps", type=non_negative_int, metavar="N", help="steps of linear warm-up from 0 "
+                   "(default: a tenth of the run, at least 10, at most 100)")
+    t.add_argument("--warmup-ratio", type=non_negative_float, metavar="F",
+                   help="the warm-up as a fraction of the run, rounded up (in place of --warmup-steps)")
+    t.add_argument("--min-lr-rate", type=non_negative_float, metavar="F", default=DEFAULT_MIN_LR_RATE,
+                   help=f"with cosine_with_min_lr: the floor, a fraction of the peak (default {DEFAULT_MIN_LR_RATE})")
+    t.add_argument("--weight-decay", type=non_negative_float, metavar="WD",
+                   help="AdamW's decoupled weight decay, on weights, not biases or norms (default: 0.1 for a full "
+                   "run, 0 with --lora)")
+    t.add_argument("--adam-beta1", type=non_negative_float, metavar="B1", help="AdamW's beta1 (default 0.9)")
+    t.add_argument("--adam-beta2", type=non_negative_float, metavar="B2", help="AdamW's beta2 (default 0.95)")
     t.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="global norm clip; 0 turns it off (default 1.0)")
     t.add_argument("--host-budget", type=_size, help="bytes of host memory for the store (default: derived)")
@@ -163,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "process, the store's budgets (a derived host budget is lowered to fit) and a step's activations, "
                    "checked before step 1 (default: what the machine has available)")
     t.add_argument("--log-every", type=positive_int, default=10, metavar="N",
-                   help="steps per row of OUT/log.jsonl, and per line where the output is not a terminal (default 10)")
+                   help="steps per row of OUT/log.jsonl and per console line (default 10); a line comes at least "
+                   "every 60 s too, with the time left. Both say `loss`: the mean of the steps' training losses "
+                   "since the previous row of OUT/log.jsonl")
     t.add_argument("--report-to", type=_words, default=(), metavar="TRACKERS",
                    help="also log to tensorboard (OUT/tensorboard) and/or wandb (offline unless WANDB_MODE says "
                    "otherwise), comma-separated (default: OUT/log.jsonl alone)")
@@ -171,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out batches each validation loss averages (default 4)")
     t.add_argument("--save-every", type=positive_int, help="also checkpoint every N steps (the last step always is)")
     t.add_argument("--no-save", action="store_true", help="do not write the final checkpoint")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out, with the "
+                   "arguments OUT/run.json recorded (a flag given again that changes what is trained is refused; "
+                   "steps, budgets, logging and the schedule may change, and are said)")
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")

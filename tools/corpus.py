@@ -146,6 +146,20 @@ def file_corpus(path: str) -> tuple[ByteCorpus, ByteCorpus]:
             ByteCorpus([Segment(path, size - held, held)], f"{path!r} (held-out part)"))
 
 
+def files_corpus(paths: list[str]) -> tuple[ByteCorpus, ByteCorpus]:
+    """(train, held-out) from several files, each split as `file_corpus` splits it, the parts one
+    after another."""
+    if len(paths) == 1:
+        return file_corpus(paths[0])
+    parts = [file_corpus(p) for p in paths]
+    names = ", ".join(repr(p) for p in paths)
+    if not any(isinstance(c, TextCorpus) for part in parts for c in part):
+        return (ByteCorpus([seg for train, _ in parts for seg in train.segments], f"{names} (training parts)"),
+                ByteCorpus([seg for _, held in parts for seg in held.segments], f"{names} (held-out parts)"))
+    return (TextCorpus(b"\n\n".join(train.read(0, train.nbytes) for train, _ in parts), f"{names} (training parts)"),
+            TextCorpus(b"\n\n".join(held.read(0, held.nbytes) for _, held in parts), f"{names} (held-out parts)"))
+
+
 def documents(path: str, chat: Callable[[list], str] | None = None) -> list[str]:
     """The texts of `path`: JSONL rows' "text", or a conversation's "messages" rendered by `chat`
     (a model's chat template; None where there is no model to render them), or the whole file."""

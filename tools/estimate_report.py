@@ -9,9 +9,9 @@ import json
 
 import psutil
 
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.memory_plan import plan_memory, unit_shapes
 from outcore.runtime.policy import StatePolicy
+from outcore.runtime.sizes import human_bytes
 from outcore.tools import step_estimate as se
 from outcore.tools.activations import Shape, activation_rows
 

@@ -37,10 +37,9 @@ from typing import Any
 
 import torch
 
-from outcore.runtime.byte_text import human_bytes
+from outcore.runtime.sizes import human_bytes, human_count
 from outcore.tools.gpu_shapes import SHAPES, deepspeed_note
 from outcore.tools.report import check_json_argument
-from outcore.tools.units import human_count
 
 PARITY_SETTINGS = [(1, "none", "none"), (1, "none", "cpu"), (2, "none", "cpu"), (2, "none", "nvme"),
                    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "nvme")]

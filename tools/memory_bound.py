@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.memory_plan import MemoryPlan
+from outcore.runtime.sizes import human_bytes
 from outcore.tools.activations import available_memory
 from outcore.tools.estimate import estimate
 

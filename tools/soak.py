@@ -23,12 +23,12 @@ import torch
 
 from outcore import runtime
 from outcore.offload.owned_dir import OwnedDir
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.materialize import deferred_init
+from outcore.runtime.sizes import human_bytes
+from outcore.tools.arg_types import parse_size, positive_int
 from outcore.tools.gpt import PRESETS, GPTConfig
 from outcore.tools.model_source import resolve_model
 from outcore.tools.report import check_json_argument, peak_rss, write_json
-from outcore.tools.units import parse_size, positive_int
 
 WARM_UP = 0.1  # share of the steps left out of the fit
 

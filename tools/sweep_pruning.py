@@ -18,9 +18,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from outcore import runtime
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory, unit_shapes
 from outcore.runtime.policy import StatePolicy
+from outcore.runtime.sizes import human_bytes
 from outcore.tools import step_estimate as se
 
 PREDICTION_ERROR = 0.20  # docs/benchmarks.md, "The step predicted"

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -21,23 +22,28 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from outcore import runtime
+from outcore.hf.data_mix import data_file
 from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import DirectoryLock
-from outcore.runtime.byte_text import human_bytes
 from outcore.runtime.checkpoint_folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
+from outcore.runtime.sizes import human_bytes, human_count
 from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
+from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
+from outcore.tools.lr_schedules import DEFAULT_MIN_LR_RATE, Schedule, warmup_steps
 from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit, address_space_note, choose_offload
+from outcore.tools.progress_lines import ProgressLines
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
+from outcore.tools.run_record import record
+from outcore.tools.train_flags import check_flags
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
-from outcore.tools.units import human_count
 
 log = logging.getLogger("outcore.train")
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
@@ -56,8 +62,9 @@ class TrainOptions:
     quantize: str | None = None  # with `lora`: the frozen base stored quantized (Config.quantize)
     quantize_double: bool = False  # with `quantize`: its scales quantized too
     config: str | None = None  # a runtime.Config file; the flags below override what it says
-    steps: int | None = None
-    data: str | None = None
+    steps: int | None = None  # with `epochs`: the most steps the run may take
+    epochs: float | None = None  # passes over the training rows
+    data: tuple[str, ...] = ()  # FILE or FILE:W (hf/data_mix.py); () : the preset's default corpus
     chat_template: str | None = None  # with `model`: a Jinja file in place of the tokenizer's chat template
     train_on_prompt: bool = False  # with `model`: every token carries the loss, not only the completions
     packing: bool = True  # with `model`: samples packed into rows (False: one sample a row, padded)
@@ -72,6 +79,13 @@ class TrainOptions:
     batch: int = 8
     seq: int | None = None  # None: the preset's context length
     lr: float | None = None
+    lr_scheduler: str | None = None  # transformers' name (tools/lr_schedules.py); None: outcore's default
+    warmup_steps: int | None = None
+    warmup_ratio: float | None = None
+    min_lr_rate: float = DEFAULT_MIN_LR_RATE  # with cosine_with_min_lr
+    weight_decay: float | None = None  # None: the config's, else 0.1 for a full run and 0 for LoRA
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
     grad_clip: float | None = 1.0
     host_budget: int | None = None
     device_budget: int | None = None
@@ -90,6 +104,7 @@ class TrainOptions:
     max_memory: int | None = None  # bytes the run may use (None: what the machine has available)
     report_to: tuple[str, ...] = ()  # trackers besides OUT/log.jsonl: tensorboard, wandb
     overrides: dict = field(default_factory=dict)
+    arguments: dict | None = None  # the command's arguments, recorded in OUT/run.json as the run starts
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -168,14 +183,16 @@ def scratch_nvme_dir(values: dict) -> OwnedDir | None:
     return owned
 
 
-def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over the first 10% of the steps (at least 10, at most 100: a run shorter than 10
-    steps never reaches the peak, as large models need), then cosine decay to 10% of the peak."""
-    warm = min(100, max(10, steps // 10))
-    if step < warm:
-        return peak * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+def run_steps(opts: TrainOptions, job: Job) -> int:
+    """The run's optimizer steps: --epochs' passes over the training rows (capped by --steps), or
+    --steps, or the job's default."""
+    if opts.epochs is None:
+        return opts.steps or job.steps
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_step = opts.batch * (opts.accumulate or 1) * world
+    rows = len(job.train.corpus) if hasattr(job.train.corpus, "__len__") else job.train.corpus.nbytes // job.seq
+    steps = max(1, math.ceil(opts.epochs * rows / per_step))
+    return min(steps, opts.steps) if opts.steps else steps
 
 
 def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, device: torch.device) -> float:
@@ -194,10 +211,10 @@ def mean_over_ranks(engine: runtime.Engine, value: float) -> float:
     return float(total) / engine.group.world
 
 
-def _kept(ckpt_dir: str) -> str:
-    """What a run stopped early leaves to resume from: what `--resume` would take."""
+def _kept(ckpt_dir: str, out: str) -> str:
+    """What a run stopped early leaves to resume from, and the command that goes on with it."""
     try:
-        return f"resume from {find_checkpoint(ckpt_dir)} with --resume"
+        return f"{find_checkpoint(ckpt_dir)} is saved; go on with: outcore train --out {shlex.quote(out)} --resume"
     except (ValueError, StorageError):
         return "no checkpoint was saved (--save-every N saves along the way)"
 
@@ -241,21 +258,10 @@ def _train(opts: TrainOptions, report) -> dict:
     limited = address_space_note()
     if limited is not None:
         report(f"outcore train: {limited}")
-    if opts.lora is not None and opts.model is None:
-        raise ValueError("--lora trains adapters of a pretrained model: give --model DIR too.")
-    for flag, given in (("--merge-adapters", opts.merge_adapters), ("--lora-alpha", opts.lora_alpha is not None),
-                        ("--lora-targets", opts.lora_targets is not None), ("--lora-init", opts.lora_init is not None),
-                        ("--dora", opts.dora), ("--quantize", opts.quantize is not None)):
-        if given and opts.lora is None:
-            raise ValueError(f"{flag} is a setting of LoRA adapters: give --model DIR and --lora R too.")
-    for flag, given in (("--chat-template", opts.chat_template is not None),
-                        ("--train-on-prompt", opts.train_on_prompt), ("--no-packing", not opts.packing),
-                        ("--eval-data", opts.eval_data is not None)):
-        if given and opts.model is None:
-            raise ValueError(f"{flag} is a setting of fine-tuning data: give --model DIR too.")
+    check_flags(opts)
     check_outputs(opts.out, opts.report_to)
-    data = DataOptions(opts.data, opts.chat_template, not opts.train_on_prompt, opts.packing, opts.eval_data,
-                       opts.eval_split) if opts.data else None
+    data = DataOptions(tuple(data_file(spec) for spec in opts.data), opts.chat_template, not opts.train_on_prompt,
+                       opts.packing, opts.eval_data, opts.eval_split) if opts.data else None
     job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=data, batch=opts.batch,
                   seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
                   lora_init=opts.lora_init, dora=opts.dora)
@@ -276,18 +282,24 @@ def _train(opts: TrainOptions, report) -> dict:
             preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=e.dtype, checkpointed=checkpointing,
                       budgets=e.smallest, max_memory=opts.max_memory)
         raise
-    steps = opts.steps or job.steps
-    # AdamW: the job's defaults, then the config's optimizer section, then --lr (the schedule's peak)
+    steps = run_steps(opts, job)
+    # AdamW: the job's defaults, then the config's optimizer section, then the flags (--lr: the schedule's peak)
     hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
              else 0.0, **config.optimizer}
-    if opts.lr is not None:
-        hyper["lr"] = opts.lr
-    peak_lr = hyper["lr"]
+    hyper["betas"] = (opts.adam_beta1 if opts.adam_beta1 is not None else hyper["betas"][0],
+                      opts.adam_beta2 if opts.adam_beta2 is not None else hyper["betas"][1])
+    for key, value in (("lr", opts.lr), ("weight_decay", opts.weight_decay)):
+        if value is not None:
+            hyper[key] = value
+    schedule = Schedule(opts.lr_scheduler or DEFAULT_SCHEDULE, steps,
+                        warmup_steps(steps, opts.warmup_steps, opts.warmup_ratio), hyper["lr"], opts.min_lr_rate)
     eval_every = opts.eval_every or max(1, steps // 5)
     save_every = opts.save_every or 0
 
     for n in notes:
         report(f"outcore train: {n}")
+    for line in job.data_lines:
+        report(f"outcore train: data {line}")
 
     ckpt_dir = os.path.join(opts.out, "checkpoints")
     engine = None
@@ -322,17 +334,22 @@ def _train(opts: TrainOptions, report) -> dict:
                f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
                f"batch {opts.batch} x {job.seq} {job.tokens}"
                + (f" on each of {engine.group.world} ranks, each its own rows" if engine.group.world > 1 else ""))
+        report(f"outcore train: {schedule.describe()}, weight decay {hyper['weight_decay']:g}, betas "
+               f"{hyper['betas'][0]:g}, {hyper['betas'][1]:g}")
+        if opts.arguments is not None and engine.group.rank == 0:
+            record(opts.out, {**opts.arguments, "world": engine.group.world})
         history, val_history, grad_norms = [], [], []
         totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
         before = engine.stats()
         accum = opts.accumulate or config.grad_accumulation
         shard, world = (engine.group.rank, engine.group.world), engine.group.world
-        unlogged: list[float] = []  # losses since the last row of the log
+        unlogged: list[float] = []  # losses since the last row of the log: what the lines' `loss` is the mean of
+        lines = ProgressLines(start, steps, opts.log_every)
         log = RunLog(opts.out, report_to=opts.report_to, enabled=engine.group.rank == 0, resume=opts.resume,
                      config={"model": job.name, "steps": steps, "batch": opts.batch, "seq": job.seq})
         with step_boundaries(), progress(steps - start, "train") as bar:
             for step in range(start, steps):
-                engine.lr = lr_at(step, steps, peak_lr)
+                engine.lr = schedule.rate(step)
                 t0 = time.perf_counter()
                 loss_sum = 0.0
                 if opts.accumulate:  # one train_batch: each unit read once for all the micro-batches
@@ -367,22 +384,24 @@ def _train(opts: TrainOptions, report) -> dict:
                 before = now
                 step_tokens = opts.batch * job.seq * accum * world
                 totals["tokens"] += step_tokens
-                line = (f"step {step + 1}/{steps} loss {loss_value:.4f} {step_tokens / dt:,.0f} tok/s "
-                        f"{dt:.2f} s (I/O wait {totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
-                        f"nvme {human_bytes(now['nvme']['bytes'])}")
+                unlogged.append(loss_value)
+                line = (f"step {step + 1}/{steps} loss {sum(unlogged) / len(unlogged):.4f} "
+                        f"lr {result['lr']:.3g} {step_tokens / dt:,.0f} tok/s {dt:.2f} s (I/O wait "
+                        f"{totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
+                        f"nvme {human_bytes(now['nvme']['bytes'])} {lines.eta(step + 1)}")
                 if result["skipped"]:
                     line += " (step skipped: fp16 overflow)"
                 if bar is not None:
-                    bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
+                    bar.set_postfix_str(f"loss {loss_value:.4f}", refresh=False)
                     bar.update(1)
-                unlogged.append(loss_value)
                 val = None
                 if evaluating:
                     val = evaluate(engine, job, job.held_out, opts.eval_batches, device)
                     val_history.append((step + 1, val))
-                    (bar.write if bar is not None else report)(f"{line} | val loss {val:.4f}")
-                elif bar is None and (step + 1) % opts.log_every == 0:  # a pipe or a file: a line per row
-                    report(line)
+                    line += f" | val loss {val:.4f}"
+                if evaluating or lines.due(step + 1):
+                    (bar.write if bar is not None else report)(line)
+                    lines.said()
                 if evaluating or (step + 1) % opts.log_every == 0 or step + 1 == steps:
                     log.row(step=step + 1, loss=sum(unlogged) / len(unlogged), lr=result["lr"],
                             grad_norm=result["grad_norm"], tokens_per_second=step_tokens / dt,
@@ -427,7 +446,8 @@ def _train(opts: TrainOptions, report) -> dict:
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
         "memory": memory,
         "stopped": None if stopped is None else {"signal": signal.Signals(stopped[0]).name, "after_step": stopped[1],
-                                                 "exit_code": 128 + stopped[0], "resume": _kept(ckpt_dir)},
+                                                 "exit_code": 128 + stopped[0],
+                                                 "resume": _kept(ckpt_dir, opts.out)},
     }
     if stopped is not None:  # the command says it in one line, after writing the summary
         return summary

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from outcore.hf.data_mix import DataFile
 from outcore.hf.source import HFModel
 from outcore.runtime.materialize import deferred_init
 from outcore.runtime.units import plan_units
 from outcore.tools.activations import Shape
-from outcore.tools.corpus import VOCAB, batch_generator, file_corpus, stdlib_corpus
+from outcore.tools.corpus import VOCAB, batch_generator, files_corpus, stdlib_corpus
 from outcore.tools.model_source import resolve_model, unit_numels
 from outcore.tools.presets import PRESETS
 
@@ -59,6 +60,7 @@ class Job:
     tokens: str  # what a token is, for the report
     checkpoint_activations: bool  # the default
     shape: Shape | None = None  # a decoder's layers, width and vocabulary: its activations' size
+    data_lines: tuple[str, ...] = ()  # what each --data file is, to say as the run starts
 
 
 def job_loss(engine: Any, job: Job, batch: Any, device: torch.device) -> torch.Tensor:
@@ -68,14 +70,14 @@ def job_loss(engine: Any, job: Job, batch: Any, device: torch.device) -> torch.T
     return getattr(output, "loss", output)
 
 
-def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, seed: int) -> Job:
+def preset_job(preset: str, *, data: tuple[str, ...], batch: int, seq: int | None, seed: int) -> Job:
     source = resolve_model(preset, seq=seq)
     gpt = source.gpt
     if gpt is None:
         raise ValueError(f"--preset {preset!r}: train takes a preset ({', '.join(PRESETS)}) or --model DIR.")
     if gpt.vocab < VOCAB:
         raise ValueError(f"preset {preset!r} has a vocabulary of {gpt.vocab}; byte tokens need {VOCAB}.")
-    train_set, held_out = file_corpus(data) if data else stdlib_corpus()
+    train_set, held_out = files_corpus(list(data)) if data else stdlib_corpus()
 
     def inputs(xy, device):
         x, y = xy
@@ -93,9 +95,9 @@ def preset_job(preset: str, *, data: str | None, batch: int, seq: int | None, se
 
 @dataclass(frozen=True)
 class DataOptions:
-    """How `--data` becomes what a fine-tune trains on (hf/sft_data.py)."""
+    """How `--data` becomes what a fine-tune trains on (hf/sft_data.py, hf/data_mix.py)."""
 
-    path: str
+    files: tuple[DataFile, ...]
     chat_template: str | None = None  # a Jinja file in place of the tokenizer's own template
     completion_only: bool = True  # False: every token carries the loss (--train-on-prompt)
     packing: bool = True
@@ -117,7 +119,7 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
         raise ValueError(f"--seq {seq} is longer than the {positions} positions {directory!r} has "
                          f"(max_position_embeddings in its config.json); give --seq {positions} or less.")
     tokenizer = source.tokenizer()
-    train_set, held_out = fine_tuning_data(data, tokenizer, seq, seed)
+    train_set, held_out, data_lines = fine_tuning_data(data, tokenizer, seq, seed)
     vocab = getattr(config, "vocab_size", None)
     largest = max(i for ds in (train_set, held_out) for row in ds.rows for s in row for i in s.input_ids)
     added = isinstance(vocab, int) and tokenizer.vocab_size <= vocab < len(tokenizer)  # added to the model's own
@@ -161,12 +163,14 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
     name = os.path.basename(os.path.normpath(directory)) + (f" + LoRA r={lora}" if lora else "")
     c = train_set.counts
     left_out = f"; {c.dropped} rows left out (see the warning above)" if c.dropped else ""
-    tokens = (f"tokens of {data.path} ({c.samples} samples, {len(train_set)} rows; "
+    names = ", ".join(f.path for f in data.files)
+    tokens = (f"tokens of {names} ({c.samples} samples, {len(train_set)} rows; "
               f"{100 * c.trained / max(c.tokens, 1):.0f}% of tokens carry the loss{left_out})")
     return Job(name, params, trainable, seq, 100, LORA_LR if lora else FINE_TUNE_LR, build, {"weights": directory},
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
-               tokens, True, _shape(config))  # activations are most of a fine-tune's memory
+               tokens, True, _shape(config),  # activations are most of a fine-tune's memory
+               tuple(data_lines))
 
 
 def _shape(config: Any) -> Shape | None:
@@ -177,9 +181,11 @@ def _shape(config: Any) -> Shape | None:
     return None
 
 
-def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any]:
-    """The training rows and the held-out rows, labelled and packed alike (hf/sft_data.py)."""
+def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> tuple[Any, Any, list[str]]:
+    """The training rows and the held-out rows, labelled and packed alike (hf/sft_data.py), from one
+    file or several mixed (hf/data_mix.py); and a line saying what each file is."""
     from outcore.hf.data_files import read_rows, read_text
+    from outcore.hf.data_mix import FileSamples, mixed
     from outcore.hf.sft_data import held_out, packed, samples_of
 
     template = None
@@ -189,14 +195,25 @@ def fine_tuning_data(data: DataOptions, tokenizer: Any, seq: int, seed: int) -> 
         except OSError as e:
             raise ValueError(f"--chat-template {data.chat_template!r}: {e.strerror}.") from e
     kw: dict[str, Any] = {"completion_only": data.completion_only, "chat_template": template}
-    samples, fmt, cut, dropped = samples_of(read_rows(data.path), data.path, tokenizer, seq, **kw)
+    parts, evals, cut, dropped, formats = [], [], 0, 0, []
+    for file in data.files:
+        samples, fmt, file_cut, file_dropped = samples_of(read_rows(file.path), file.path, tokenizer, seq, **kw)
+        if data.eval_data is None:
+            samples, file_evals = held_out(samples, data.eval_split, seed, file.path)
+            evals += file_evals
+        parts.append(FileSamples(file.path, fmt, samples, file.weight))
+        cut, dropped = cut + file_cut, dropped + file_dropped
+        formats.append(fmt)
+    samples, counts = mixed(parts, seed)
+    lines = [p.describe(n if p.weight is not None else None) for p, n in zip(parts, counts, strict=True)]
+    name = ", ".join(f.path for f in data.files)
+    fmt = formats[0] if len(set(formats)) == 1 else "mixed"
     if data.eval_data is not None:
         evals, eval_fmt, eval_cut, eval_dropped = samples_of(read_rows(data.eval_data), data.eval_data, tokenizer,
                                                              seq, **kw)
         eval_name = data.eval_data
     else:
-        samples, evals = held_out(samples, data.eval_split, seed, data.path)
-        eval_fmt, eval_cut, eval_dropped, eval_name = fmt, 0, 0, f"{data.path} (held out)"
-    return (packed(samples, seq, tokenizer, fmt, data.path, packing=data.packing, truncated=cut, dropped=dropped),
+        eval_fmt, eval_cut, eval_dropped, eval_name = fmt, 0, 0, f"{name} (held out)"
+    return (packed(samples, seq, tokenizer, fmt, name, packing=data.packing, truncated=cut, dropped=dropped),
             packed(evals, seq, tokenizer, eval_fmt, eval_name, packing=data.packing, truncated=eval_cut,
-                   dropped=eval_dropped))
+                   dropped=eval_dropped), lines)

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 from outcore import runtime
 from outcore.hf.source import HFModel
-from outcore.runtime.byte_text import human_bytes
+from outcore.runtime.sizes import human_bytes
 from outcore.tools.sweep_pruning import SweepPruner
 
 DEFAULT_SWEEP = {"prefetch_depth": [1, 2, 4], "block_size": [1 << 20, 8 << 20], "queue_depth": [8, 32],

@@ -162,3 +162,19 @@ def test_from_deepspeed_refuses_adam_with_l2_decay():
     assert Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}).optimizer == {"lr": 1e-4}
     with pytest.raises(ValueError, match=r"adam_w_mode false decays weights as L2.*Use type \"AdamW\""):
         Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}}})
+
+
+@pytest.mark.parametrize("ext, text", [
+    (".json", '{"device_budget": "256M", "host_budget": "1.5G", "sub_group_size": "4M", "io": {"block_size": "8M"}}'),
+    (".yaml", "device_budget: 256M\nhost_budget: 1.5G\nsub_group_size: 4M\nio:\n  block_size: 8M\n"),
+    (".toml", 'device_budget = "256M"\nhost_budget = "1.5G"\nsub_group_size = "4M"\n[io]\nblock_size = "8M"\n'),
+])
+def test_a_config_file_takes_sizes_as_the_command_line_writes_them(tmp_path, ext, text):
+    path = tmp_path / f"c{ext}"
+    path.write_text(text)
+    c = Config.from_file(path)
+    assert (c.device_budget, c.host_budget, c.sub_group_size, c.io.block_size) == (256 << 20, 3 << 29, 4_000_000,
+                                                                                   8 << 20)
+    path.write_text(text.replace("256M", "256Q"))
+    with pytest.raises(ValueError, match="device_budget='256Q': '256Q' is not a size"):
+        Config.from_file(path)

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from outcore.tools.arg_types import parse_list, parse_size
 from outcore.tools.bench_disk import bench_disk
 from outcore.tools.cli import main
-from outcore.tools.units import parse_list, parse_size
 
 
 def test_sizes_parse_as_binary_multiples():

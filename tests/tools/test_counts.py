@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from outcore.runtime.byte_text import human_bytes
-from outcore.tools.units import human_count, parse_count, parse_size
+from outcore.runtime.sizes import human_bytes, human_count, parse_count, parse_size
 
 
 @pytest.mark.parametrize(("n", "text"), [(0, "0"), (7, "7"), (999, "999"), (1000, "1K"), (842_496, "842K"),

@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from launch import torchrun  # noqa: E402
 
 from outcore.tools.cli import main
-from outcore.tools.train import TrainOptions, lr_at, train
+from outcore.tools.lr_schedules import DEFAULT, Schedule, default_warmup
+from outcore.tools.train import TrainOptions, train
 
 
 def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
@@ -72,18 +73,20 @@ def test_config_file_and_text_data(tmp_path, monkeypatch):
     text.write_text("the quick brown fox jumps over the lazy dog. " * 2000, encoding="utf-8")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("offload_params: cpu\noffload_optimizer: cpu\ngrad_clip: null\nprefetch_depth: 1\n")
-    s = train(TrainOptions(steps=12, config=str(cfg), data=str(text), batch=4, save_final=False,
+    s = train(TrainOptions(steps=12, config=str(cfg), data=(str(text),), batch=4, save_final=False,
                            checkpoint_activations=True), report=lambda _: None)
     assert s["offload_params"] == "cpu" and s["config"]["grad_clip"] is None and s["config"]["prefetch_depth"] == 1
     assert s["losses"][-1] < s["losses"][0] - 1.0  # a repetitive text is learned fast
     assert os.listdir(tmp_path / "outcore-run") == ["log.jsonl"]  # no checkpoint, no export: the log alone
 
 
-def test_learning_rate_warms_up_then_decays():
-    lrs = [lr_at(s, 200, 1e-3) for s in range(200)]
-    assert lrs[0] == pytest.approx(5e-5) and max(lrs) == pytest.approx(1e-3)
-    assert lrs[-1] == pytest.approx(1e-4, rel=0.01) and lrs.index(max(lrs)) == 19
-    assert [lr_at(s, 3, 1e-3) for s in range(3)] == pytest.approx([1e-4, 2e-4, 3e-4])  # short runs stay low
+def test_the_default_schedule_warms_up_then_decays_to_a_tenth():
+    schedule = Schedule(DEFAULT, 200, default_warmup(200), 1e-3)
+    lrs = [schedule.rate(s) for s in range(200)]
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(5e-5) and max(lrs) == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01) and lrs.index(max(lrs)) == 20
+    short = Schedule(DEFAULT, 3, default_warmup(3), 1e-3)
+    assert [short.rate(s) for s in range(3)] == pytest.approx([0, 1e-4, 2e-4])  # short runs stay low
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -1,10 +1,9 @@
-"""Sizes as people write them on a command line: bytes (4G, 512M, 128K) and counts (125M, 13B)."""
+"""Sizes and counts as people write and read them: bytes (4G, 512M, 128K read; 1.5 GiB written)
+and parameter counts (125M, 13B), for the command line, config files and the lines users see."""
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Callable
 
 _BINARY = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
            "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
@@ -56,47 +55,9 @@ def human_count(n: float) -> str:
     raise AssertionError
 
 
-def parse_list(text: str, parse=int) -> list:
-    """'128K,1M,8M' -> [131072, 1048576, 8388608] with `parse` applied to each item."""
-    items = [t for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"{text!r} names no values")
-    return [parse(t) for t in items]
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    return _ranged(text, int, lambda v: v >= 1, "a whole number of at least 1")
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    return _ranged(text, int, lambda v: v >= 0, "a whole number of at least 0")
-
-
-def int_in(values: range) -> Callable[[str], int]:
-    """An argparse type: an integer in `values`."""
-    def parse(text: str) -> int:
-        return _ranged(text, int, lambda v: v in values, f"a whole number from {values.start} to {values.stop - 1}")
-
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0."""
-    return _ranged(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0")
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number of at least 0."""
-    return _ranged(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number of at least 0")
-
-
-def _ranged(text: str, kind, ok, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-    return value
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
