@@ -1,9 +1,11 @@
 """Write-backs: a dirty key written to NVMe behind its owner, by one writer thread, in order.
 
 `WriteBackJob` is one write-back's record; `WriteBackWorker` is the thread that issues them, by
-calling the store writer's `_run_write_back` (writer.py) for each. [Note: no I/O under the lock]
-Write-backs are queued to the writer thread, never issued by a thread that holds the store lock:
-such a thread must never wait for an I/O slot, because I/O completions take the lock to land.
+calling the store writer's `_run_write_back` (writer.py) for each.
+
+[Note: no I/O under the lock] Write-backs are queued to the writer thread, never issued by a thread
+that holds the store lock: such a thread must never wait for an I/O slot, because I/O completions
+take the lock to land.
 """
 
 from __future__ import annotations

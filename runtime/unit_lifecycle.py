@@ -179,8 +179,9 @@ class UnitLifecycle:
     def in_backward(self) -> None:
         """Called by every hook autograd runs. Outside `backward()` and `train_batch()`, the caller
         ran `loss.backward()` itself: the pass is then the engine's backward, and its micro-step
-        ends at the engine's next call (`Engine._end_plain_backward`). Not at the end of autograd's
-        pass: a reentrant checkpoint runs a nested pass, whose end is not the end of backward."""
+        ends at the engine's next call (`_engine_call` in engine.py ends it first). Not at the end
+        of autograd's pass: a reentrant checkpoint runs a nested pass, whose end is not the end of
+        backward."""
         if self.phase.now is Phase.PLAIN_BACKWARD:
             self.watch.enter()  # each graph task of the pass: runtime/backward_watch.py
             return

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from outcore.runtime.sizes import human_bytes, human_count
+from outcore.runtime.sizes import human_bytes
 from outcore.tools.cli_flags import EXIT_USAGE, build_parser, given_flags
 from outcore.tools.interrupts import Interrupted, handle_signals
 
@@ -149,53 +149,31 @@ def train_options(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from outcore.hf.source import HFModel
-    from outcore.tools.estimate import (
-        estimate_table,
-        hf_dims,
-        legal_settings,
-        quantized_stored,
-        train_batch_activations,
+    from outcore.tools.estimate import estimate_table, legal_settings, train_batch_activations
+    from outcore.tools.estimate_model import sized_model
+    from outcore.tools.estimate_report import (
+        activation_rows_printed,
+        predicted_step,
+        print_table,
+        step_activations,
     )
-    from outcore.tools.estimate_report import activation_rows_printed, predicted_step
-    from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
-    from outcore.tools.report import table, write_json
+    from outcore.tools.estimate_verdict import Machine, verdict, verdict_lines
+    from outcore.tools.report import write_json
 
-    layout: dict = {}
-    dims: tuple[int, int, int, int] | None = None  # layers, d_model, vocab, context: for --accumulate
+    if args.device is None:  # where this machine computes
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:  # as `outcore train` picks it
+        import torch
+
+        from outcore.tools.train import native_bf16
+
+        native = native_bf16(torch.device(args.device)) if args.device == "cpu" or torch.cuda.is_available() else True
+        args.dtype = "bf16" if native else "fp32"
     try:
-        if args.lora_targets is not None and args.lora is None:
-            raise ValueError("--lora-targets names the modules LoRA adapts: give --lora R too.")
-        if (args.quantize is not None or args.quantize_double) and args.lora is None:
-            raise ValueError("--quantize sizes a frozen base stored quantized: give --model DIR and --lora R too.")
-        if args.params:
-            units, shape = synthetic_unit_numels(args.params)
-            dims = (shape.layers, shape.d_model, shape.vocab, shape.seq)
-            what = (f"a GPT of {human_count(sum(units))} parameters ({shape.layers} layers, d_model {shape.d_model}, "
-                    f"vocab {shape.vocab})")
-        elif args.lora is not None:
-            if not os.path.isdir(args.model):
-                raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
-            hf = HFModel(args.model, args.lora, lora_targets=args.lora_targets, causal_only=False)
-            units, layout = unit_layout(hf.build())
-            dims = hf_dims(hf.config())
-            trained = sum(n for n, f in zip(units, layout["frozen"], strict=True) if not f)
-            what = (f"{args.model} + LoRA r={args.lora} ({human_count(sum(units))} parameters, "
-                    f"{human_count(trained)} trained)")
-            layout["frozen_in_files"] = True  # the base is read from its weights files, never the swap file
-            if args.quantize is not None:  # ... or its quantized blocks from the swap file
-                layout["stored"] = quantized_stored(units, layout, args.world_size, args.quantize,
-                                                    args.quantize_double)
-                what += f", the base {args.quantize}"
-        else:
-            source = resolve_model(args.model, causal_only=False)
-            units, layout = source_layout(source)
-            if source.gpt is not None:
-                dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
-            elif os.path.isdir(args.model):
-                dims = hf_dims(HFModel(args.model).config())
-            what = f"{args.model} ({human_count(sum(units))} parameters)"
-        if args.accumulate and dims is None:
+        model = sized_model(args)
+        if args.accumulate and model.dims is None:
             raise ValueError(f"--accumulate: the activations of {args.model!r} cannot be sized from here; give a "
                              "preset, --params or a model directory.")
     except ValueError as e:
@@ -203,51 +181,40 @@ def _estimate(args: argparse.Namespace) -> int:
     settings = legal_settings(args.stage, args.offload_params, args.offload_optimizer)
     if not settings:
         raise UsageError("no legal setting matches: parameter offload needs --stage 3.")
-    rows = estimate_table(units, settings, world=args.world_size, dtype=args.dtype, state_dtype=args.state_dtype,
-                          prefetch_depth=args.prefetch_depth,
-                          sub_group_size=args.sub_group_size, grad_clip=args.grad_clip or None, device=args.device,
-                          **layout)
-    states = ", optimizer states in bf16" if args.state_dtype == "bf16" else ""
-    print(f"{what}, {args.dtype}{states}, world size {args.world_size}, {len(units)} fetch units; bytes per rank")
-    table(["stage", "params", "optimizer", "device", "host", "nvme", "min device", "min host"],
-          [[r["stage"], r["offload_params"], r["offload_optimizer"], human_bytes(r["device"]["total"]),
-            human_bytes(r["host"]["total"]), human_bytes(r["nvme"]["total"]), human_bytes(r["device_min"]),
-            human_bytes(r["host_min"])] for r in rows])
-    print("device and host include the runtime's buffers (prefetch window, gathered units, gradients, "
-          "optimizer pipeline);")
-    print("activations are the model's and not counted. On a CPU-only machine device and host are both RAM.")
-    print("'min' is the smallest budget the engine accepts; between min and the estimate it evicts more.")
-    resident = {(r["stage"], r["offload_optimizer"]): r["device"]["total"] for r in rows
-                if r["offload_params"] == "none"}
-    no_saving = [r for r in rows if r["offload_params"] != "none" and r["device"]["total"]
-                 >= resident.get((r["stage"], r["offload_optimizer"]), r["device"]["total"] + 1)]
-    if no_saving:
-        print(f"Parameters offloaded still pass through the device: the prefetch window ({args.prefetch_depth} units "
-              "ahead), the unit running and its gradient. With")
-        print(f"{len(units)} units that is the whole model, each unit padded to whole pages, so here offloading the "
-              "parameters saves no device memory.")
-    if any(o == "nvme" for _, _, o in settings):
-        print("With the optimizer on NVMe, host holds the optimizer states of the root and of the large modules "
-              "outside the blocks,")
-        print("whose updates backward cannot hide: the derived host budget keeps them there.")
+    rows = estimate_table(model.units, settings, world=args.world_size, dtype=args.dtype, state_dtype=args.state_dtype,
+                          prefetch_depth=args.prefetch_depth, sub_group_size=args.sub_group_size,
+                          grad_clip=args.grad_clip or None, device=args.device, **model.layout)
+    print_table(args, model, rows, settings)
+    machine = Machine.detect(args.nvme_dir)
+    verdict_ = verdict(model.units, model.layout, machine, dtype=args.dtype, state_dtype=args.state_dtype,
+                       world=args.world_size, prefetch_depth=args.prefetch_depth, sub_group_size=args.sub_group_size,
+                       grad_clip=args.grad_clip or None, device=args.device,
+                       activations=step_activations(args, model))
     try:
-        step_rows = activation_rows_printed(args, dims)
-        prediction = predicted_step(args, units, layout, dims)
+        step_rows = activation_rows_printed(args, model.dims)
+        prediction = predicted_step(args, model, verdict_)
     except ValueError as e:
         raise UsageError(str(e)) from None
     activations = None
-    if args.accumulate and dims is not None:
-        layers, d_model, vocab, context = dims
+    if args.accumulate and model.dims is not None:
+        layers, d_model, vocab, context = model.dims
         seq = args.seq or context
         activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch or 1,
                                               seq=seq, micro_batches=args.accumulate, dtype=args.dtype)
         print(f"train_batch of {args.accumulate} micro-batches of {args.batch or 1} x {seq}: "
               f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
               "within the budgets above")
-    write_json(args.json, {"model": what, "dtype": args.dtype, "state_dtype": args.state_dtype,
-                           "world_size": args.world_size, "units": units,
+    for line in verdict_lines(verdict_, machine):
+        print(line)
+    write_json(args.json, {"model": model.what, "device": args.device, "dtype": args.dtype,
+                           "state_dtype": args.state_dtype,
+                           "world_size": args.world_size, "units": model.units,
                            "rows": rows, "train_batch_activation_bytes": activations,
-                           "activation_rows": step_rows, "prediction": prediction})
+                           "activation_rows": step_rows, "prediction": prediction,
+                           "verdict": {"fits": verdict_.fits, "flags": verdict_.flags(), "short": list(verdict_.short),
+                                       "device_budget": verdict_.device_budget, "host_budget": verdict_.host_budget,
+                                       "offload_params": verdict_.offload_params,
+                                       "offload_optimizer": verdict_.offload_optimizer}})
     return EXIT_OK
 
 

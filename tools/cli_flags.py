@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quantize-double", action="store_true", help="with --quantize: the scales quantized too")
     e.add_argument("--world-size", type=positive_int, default=1,
                    help="data-parallel ranks the states are sharded over (default 1)")
-    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (default: as `outcore train` "
+                   "picks it, bf16 where the device computes it natively, else fp32)")
     e.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
                    help="optimizer states in fp32 or bf16 (default fp32)")
     e.add_argument("--stage", type=int, choices=(1, 2, 3), help="one ZeRO stage (default: every stage)")
@@ -245,9 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offload-optimizer", choices=OFFLOADS, help="one placement of the optimizer states (default: "
                    "every one)")
     e.add_argument("--prefetch-depth", type=non_negative_int, default=2, help="units fetched ahead of use (default 2)")
-    e.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="where compute runs (default cuda); cpu: DEVICE is RAM too, and the whole prefetch window is "
-                   "on it")
+    e.add_argument("--device", choices=("cuda", "cpu"),
+                   help="where compute runs (default: cuda where this machine has it, else cpu); cpu: DEVICE is RAM "
+                   "too, and the whole prefetch window is on it")
+    e.add_argument("--nvme-dir", default=".", help="where swap files would go: the verdict checks its disk's free "
+                   "space, and --predict measures it when no --disk is given (default .)")
     e.add_argument("--sub-group-size", type=_sub_group_size, default=1 << 22,
                    help="elements per optimizer chunk (default 4M)")
     e.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="0: no clipping (gradients then stream)")
@@ -260,17 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
     pr = e.add_argument_group("step prediction (--predict; one stage and offload setting)")
     pr.add_argument("--predict", action="store_true", help="predict the step: its time by kind of work, what "
-                   "bounds it, tokens/s and MFU, and the accumulation at which compute bounds it (needs --batch)")
+                   "bounds it, tokens/s and MFU, and the accumulation at which compute bounds it (needs --batch); "
+                   "for --stage/--offload-params/--offload-optimizer, or the setting the verdict recommends")
     pr.add_argument("--device-budget", type=_size, help="DEVICE budget the run will have (default: derived)")
     pr.add_argument("--host-budget", type=_size, help="HOST budget the run will have (default: derived)")
     pr.add_argument("--checkpoint-activations", action="store_true", help="the run recomputes each block's forward")
     pr.add_argument("--vertical", action="store_true", help="each step one train_batch of --accumulate micro-batches")
     pr.add_argument("--disk", metavar="JSON", help="the disk's rates from `outcore bench-disk --json` (default: "
                    "measured now in --nvme-dir)")
-    pr.add_argument("--nvme-dir", default=".", help="where to measure the disk when no --disk is given (default .)")
     pr.add_argument("--flops", type=float, help="FLOP/s the compute reaches (default: a matrix product measured now)")
     pr.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU (default: --flops)")
-    pr.add_argument("--adam-rate", type=float, help="parameters/s the CPU's AdamW updates (default: measured now)")
+    pr.add_argument("--overhead", type=non_negative_float, metavar="SECONDS", help="what a step costs beyond its "
+                    "work: Python, the hooks, the I/O requests (default: measured now on a model as deep, of width 16)")
+    pr.add_argument("--eval-every", type=positive_int, metavar="N", help="also say what outcore train's evaluation "
+                    "adds a step, every N steps")
+    pr.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches an evaluation runs "
+                    "(default 4)")
+    pr.add_argument("--adam-rate", type=float, help="trained parameters/s the engine's update path handles: casts, "
+                    "the norm, AdamW, the copies back (default: measured now on an engine, unless --overhead is given)")
     pr.add_argument("--no-checksum", action="store_true", help="the run turns the swap file's checksums off "
                     "(IOConfig(checksum=False)): on a CPU their time is not counted")
     pr.add_argument("--host-device-rate", type=float, help="bytes/s between host memory and the GPU (default 25e9 "

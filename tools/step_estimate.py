@@ -18,6 +18,7 @@ tests check it without running a model, and docs/benchmarks.md puts it beside me
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,12 @@ class Rates:
     # bytes/s one core checksums what the swap file reads and writes: on a CPU-only machine that work
     # takes the cores compute needs (None: not counted)
     checksum: float | None = None
+    # seconds a step costs beyond its work: Python, the hooks' gathers and releases of every unit, the
+    # I/O's requests, the loss and the optimizer's bookkeeping (`measure_overhead`)
+    overhead: float = 0.0
+    # seconds a micro-batch's forward and backward take on the model's own shape (`measure_compute`);
+    # None: its FLOPs at `flops`
+    micro_batch: float | None = None
 
     @property
     def cpu_only(self) -> bool:
@@ -83,6 +90,7 @@ class StepTime:
     flops: float
     nvme_read: int
     nvme_written: int
+    overhead: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -148,7 +156,7 @@ def predict_step(shape: StepShape, rates: Rates, accumulate: int = 1) -> StepTim
     """The step's time split and its bound at `accumulate` micro-batches a step."""
     flops = step_flops(shape, accumulate)
     read, written, bus = step_bytes(shape, accumulate)
-    compute = flops / rates.flops
+    compute = flops / rates.flops if rates.micro_batch is None else rates.micro_batch * accumulate
     nvme = read / rates.disk_read + written / rates.disk_write
     host_device = 0.0 if rates.host_device is None else bus / rates.host_device
     optimizer = shape.trained / rates.adam if shape.optimizer_offloaded or rates.cpu_only else 0.0
@@ -166,9 +174,12 @@ def predict_step(shape: StepShape, rates: Rates, accumulate: int = 1) -> StepTim
         after = optimizer
         step = max(during + after, nvme)
         bound = "nvme" if nvme > during + after else ("compute" if compute >= after else "optimizer")
+    overhead = rates.overhead * (1 if shape.vertical else accumulate)  # a micro-step's passes each take it
+    if overhead > step:
+        bound = "overhead"
     return StepTime(accumulate=accumulate, compute=compute, nvme=nvme, host_device=host_device, optimizer=optimizer,
-                    step=step, bound=bound, tokens=shape.tokens * accumulate, flops=flops, nvme_read=read,
-                    nvme_written=written)
+                    step=step + overhead, bound=bound, tokens=shape.tokens * accumulate, flops=flops, nvme_read=read,
+                    nvme_written=written, overhead=overhead)
 
 
 def compute_bound_accumulation(shape: StepShape, rates: Rates, limit: int = MAX_ACCUMULATION) -> int | None:
@@ -263,6 +274,102 @@ def measure_flops(device: str, dtype: str, *, tokens: int = 2048, d_model: int =
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 6 * 8 * d_model * d_model * tokens / best
+
+
+def measure_compute(device: str, dtype: str, *, layers: int, d_model: int, vocab: int, seq: int, batch: int,
+                    checkpointing: bool = False, frozen: bool = False, repeats: int = 3) -> float:
+    """Seconds one micro-batch's forward and backward take on the model's own shape, in plain
+    PyTorch: a GPT of its width and vocabulary at the run's batch and sequence length, measured
+    with one block and with up to four; the model is the first less a block, plus `layers` blocks (each
+    block's attention, norms, activations and, with `checkpointing`, recomputation included; the
+    head's loss too). `frozen`: the blocks take no weight gradient (a LoRA run's base)."""
+    import statistics
+
+    import torch
+
+    from outcore.runtime.policy import torch_dtype
+    from outcore.tools.gpt import GPT
+    from outcore.tools.presets import GPTConfig
+
+    heads = max(1, d_model // 64)
+    while d_model % heads:
+        heads -= 1
+    kind = torch_dtype(dtype)
+
+    def seconds(blocks: int) -> float:
+        cfg = GPTConfig(vocab=vocab, seq=seq, layers=blocks, d_model=d_model, heads=heads)
+        model = GPT(cfg, checkpoint_activations=checkpointing).to(device=device, dtype=kind)
+        if frozen:
+            model.requires_grad_(False)
+            next(model.blocks[0].parameters()).requires_grad_(True)  # something to differentiate, as adapters are
+        x = torch.randint(0, vocab, (batch, seq), device=device)
+        times = []
+        for _ in range(repeats + 1):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(x, x).backward()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    deep = min(max(layers, 2), 4)
+    one, more = seconds(1), seconds(deep)
+    block = max(0.0, (more - one) / (deep - 1))
+    return max(0.0, one - block) + layers * block
+
+
+def measure_engine_costs(units: int, policy: StatePolicy, nvme_dir: str, *, frozen_share: float = 0.0,
+                         steps: int = 3, wide: int = 256) -> tuple[float, float]:
+    """What an engine step costs beyond its compute and bytes, at this many units under this
+    setting: (seconds a step, whatever its size: Python, the hooks' gathers and releases, the I/O's
+    requests; trained parameters a second its update path handles: the gradients' casts into their
+    fp32 shards, the norm, AdamW, the copies back into the parameters). Measured on a GPT of `units`
+    - 1 blocks at width 16 and at width `wide`, a step of 1 x 8 tokens (its compute negligible),
+    the median of `steps` after one to warm up. `frozen_share`: the share of the blocks frozen (a
+    LoRA run's base), which take no gradient or update."""
+    small, small_trained = _engine_step_seconds(units, policy, nvme_dir, 16, frozen_share, steps)
+    large, large_trained = _engine_step_seconds(units, policy, nvme_dir, wide, frozen_share, steps)
+    rate = (large_trained - small_trained) / max(large - small, 1e-6)
+    return small, rate
+
+
+def _engine_step_seconds(units: int, policy: StatePolicy, nvme_dir: str, width: int, frozen_share: float,
+                         steps: int) -> tuple[float, int]:
+    import statistics
+    import tempfile
+
+    import torch
+
+    from outcore.runtime import AdamW, Config, Engine, deferred_init
+    from outcore.tools.gpt import GPT, init_fn
+    from outcore.tools.presets import GPTConfig
+
+    cfg = GPTConfig(vocab=256, seq=8, layers=max(1, units - 1), d_model=width, heads=2)
+    with deferred_init():
+        model = GPT(cfg)
+    for block in list(model.blocks)[: round(frozen_share * cfg.layers)]:
+        block.requires_grad_(False)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    os.makedirs(nvme_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=nvme_dir, prefix=".outcore-overhead-") as scratch:
+        config = Config(stage=policy.stage, offload_params=policy.offload_params,
+                        offload_optimizer=policy.offload_optimizer, dtype=policy.dtype, nvme_dir=scratch,
+                        grad_clip=1.0 if policy.clipping else None)
+        engine = Engine(model, config, AdamW(lr=1e-4), init_fn=init_fn(cfg))
+        x = torch.randint(0, 256, (1, 8))
+        times = []
+        try:
+            for _ in range(steps + 1):
+                t0 = time.perf_counter()
+                engine.backward(engine(x, x))
+                engine.step()
+                engine.synchronize()
+                times.append(time.perf_counter() - t0)
+        finally:
+            engine.close()
+    return statistics.median(times[1:]), trained
 
 
 def measure_adam(params: int = 1 << 23, repeats: int = 3) -> float:

@@ -3,13 +3,9 @@ belong to another flag, and settings that contradict each other, each one line n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from outcore.hf.data_mix import data_file
 from outcore.tools.lr_schedules import SCHEDULES
-
-if TYPE_CHECKING:
-    from outcore.tools.train import TrainOptions
+from outcore.tools.train_options import TrainOptions
 
 
 def check_flags(opts: TrainOptions) -> None:

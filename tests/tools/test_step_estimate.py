@@ -138,6 +138,7 @@ def test_estimate_predict_on_the_tiny_preset(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "predicted step" in res.stdout and "bound by" in res.stdout
     got = json.loads(out.read_text())["prediction"]
-    assert got["step"] == max(got["compute"] + got["optimizer"], got["nvme"])
-    assert got["rates"]["disk_read"] > 0 and got["tokens"] == 128
+    assert got["step"] == pytest.approx(max(got["compute"] + got["optimizer"], got["nvme"]) + got["overhead"])
+    assert got["overhead"] > 0 and got["rates"]["disk_read"] > 0 and got["tokens"] == 128
     assert not list(tmp_path.glob("outcore-bench-*"))  # the disk measurement leaves no file behind
+    assert not list(tmp_path.glob(".outcore-overhead-*"))  # nor the overhead's engine

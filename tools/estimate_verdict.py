@@ -1,0 +1,122 @@
+"""What `outcore estimate` ends with: whether the run fits this machine, and the flags to pass.
+
+The setting is the one `outcore train` would choose (tools/memory_bound.py `choose_offload`: the
+least offloading whose states fit in half of the available memory), and its budgets those the
+engine derives for it (`MemoryPlan.budgets`). They are checked against what was detected: the RAM
+available (on a CPU-only machine both budgets and the step's activations are RAM), a GPU's memory
+for the device budget, and the free space of the `--nvme-dir` disk for what rests on NVMe.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+
+import psutil
+
+from outcore.runtime.sizes import human_bytes
+from outcore.tools.activations import available_memory
+from outcore.tools.estimate import estimate
+from outcore.tools.memory_bound import MemoryBound, choose_offload
+
+GPU_SHARE = 0.9  # of a GPU's memory the device budget may take (the CUDA context and allocator keep the rest)
+
+
+@dataclass(frozen=True)
+class Machine:
+    ram_total: int
+    ram_available: int
+    gpu: str | None  # the GPU's name, None without CUDA
+    gpu_bytes: int
+    nvme_dir: str
+    nvme_free: int
+
+    @classmethod
+    def detect(cls, nvme_dir: str) -> Machine:
+        import torch
+
+        gpu, gpu_bytes = None, 0
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            gpu, gpu_bytes = props.name, props.total_memory
+        where = os.path.abspath(nvme_dir)
+        while not os.path.exists(where):  # a folder the run would make: its disk is its parent's
+            where = os.path.dirname(where)
+        return cls(psutil.virtual_memory().total, available_memory(), gpu, gpu_bytes, nvme_dir,
+                   shutil.disk_usage(where).free)
+
+    def describe(self) -> str:
+        gpu = f"GPU {self.gpu} ({human_bytes(self.gpu_bytes)})" if self.gpu else "no GPU"
+        return (f"this machine: {human_bytes(self.ram_available)} of {human_bytes(self.ram_total)} RAM available, "
+                f"{gpu}, {human_bytes(self.nvme_free)} free where --nvme-dir {self.nvme_dir} lies")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    dtype: str
+    stage: int
+    offload_params: str
+    offload_optimizer: str
+    device_budget: int
+    host_budget: int
+    nvme_bytes: int
+    activations: int
+    why: str  # why this setting
+    short: tuple[str, ...]  # what does not fit, in words; () where it fits
+
+    @property
+    def fits(self) -> bool:
+        return not self.short
+
+    def flags(self) -> str:
+        """What to pass `outcore train` (sizes rounded up to whole MiB, as --device-budget reads them)."""
+        return (f"--dtype {self.dtype} --offload-params {self.offload_params} "
+                f"--offload-optimizer {self.offload_optimizer} --device-budget {size_flag(self.device_budget)} "
+                f"--host-budget {size_flag(self.host_budget)}")
+
+
+def size_flag(n: int) -> str:
+    return f"{math.ceil(n / (1 << 20))}M"
+
+
+def verdict(units: list[int], layout: dict, machine: Machine, *, dtype: str, state_dtype: str, world: int,
+            prefetch_depth: int, sub_group_size: int, grad_clip: float | None, device: str,
+            activations: int) -> Verdict:
+    """The setting `outcore train` would take for these units, its derived budgets, and what of it
+    does not fit `machine` (see the module's docstring)."""
+    params, opt, why = choose_offload(units, dtype, 3, grad_clip, prefetch_depth, MemoryBound.now(None, activations))
+    plan = estimate(units, world=world, dtype=dtype, state_dtype=state_dtype, stage=3, offload_params=params,
+                    offload_optimizer=opt, prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
+                    grad_clip=grad_clip, device=device, **layout)
+    try:
+        device_budget, host_budget = plan.budgets(None, None, machine.ram_available)
+    except ValueError:  # the smallest budgets exceed what is available: said below, with the figures
+        device_budget, host_budget = plan.device_min, plan.host_min
+    short = []
+    ram = host_budget + activations + (device_budget if device == "cpu" else 0)
+    if ram > machine.ram_available:
+        short.append(f"RAM: the budgets and a step's activations take {human_bytes(ram)}, "
+                     f"{human_bytes(machine.ram_available)} is available")
+    if device == "cuda" and device_budget > GPU_SHARE * machine.gpu_bytes:
+        short.append(f"GPU: the device budget is {human_bytes(device_budget)}, "
+                     f"{human_bytes(machine.gpu_bytes)} on {machine.gpu or 'no GPU'}")
+    if plan.nvme.total > machine.nvme_free:
+        short.append(f"NVMe: {human_bytes(plan.nvme.total)} of swap files, {human_bytes(machine.nvme_free)} free in "
+                     f"{machine.nvme_dir}")
+    return Verdict(dtype, 3, params, opt, device_budget, host_budget, plan.nvme.total, activations, why, tuple(short))
+
+
+def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
+    lines = [machine.describe() + "."]
+    where = f"ZeRO-3, parameters {v.offload_params}, optimizer states {v.offload_optimizer} ({v.why})"
+    need = (f"budgets {human_bytes(v.device_budget)} device and {human_bytes(v.host_budget)} host, "
+            f"{human_bytes(v.nvme_bytes)} on NVMe, activations {human_bytes(v.activations)}")
+    if v.fits:
+        lines.append(f"fits: {where}; {need}.")
+        lines.append(f"  outcore train ... {v.flags()}")
+    else:
+        lines.append(f"does not fit: {where}; {need}. Short: {'; '.join(v.short)}.")
+        lines.append("  free what is short (another --nvme-dir, a machine with more memory), or lower --batch/--seq")
+    return lines
