@@ -1,6 +1,6 @@
 """A peft model's adapters as `peft.PeftModel.from_pretrained` loads them: the tensors of
 adapter_model.safetensors, named as peft names them, and adapter_config.json. The engine gathers
-the trainable parameters and writes the file (runtime/state_dict.py); this names them."""
+the trainable parameters and writes the file (runtime/checkpoint/state_dict.py); this names them."""
 
 from __future__ import annotations
 

@@ -66,6 +66,10 @@ class SFTDataset(torch.utils.data.Dataset):
         positions += range(start, start + tail)  # what is before it, and nothing before attends to it
         return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(positions)}
 
+    def row_count(self, seq: int) -> int:
+        """Its rows (each `self.seq` tokens): one pass over the samples."""
+        return len(self.rows)
+
     def batch(self, batch: int, seq: int, generator: torch.Generator,
               shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
         """`batch` rows drawn with `generator` (the same draw on every rank), this rank's part of them

@@ -17,7 +17,7 @@ import re
 import uuid
 from typing import Any
 
-from outcore.runtime.checkpoint_folder import NoCheckpointError, find_checkpoint, read_meta
+from outcore.runtime.checkpoint.folder import NoCheckpointError, find_checkpoint, read_meta
 
 CHECKPOINT_SUBDIR = "outcore"  # checkpoint-N/outcore/: the engine's sharded checkpoint
 RUN_FILE = "outcore_run.json"  # checkpoint-N/outcore_run.json: whose engine checkpoint belongs here

@@ -56,6 +56,12 @@ class Handle(Generic[T]):
         assert self.done(), "exception() of a handle still running"
         return self._error
 
+    def outcome(self, timeout: float | None = None) -> BaseException | None:
+        """Wait until it is done, whatever its outcome; then its error, or None (not raised)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"operation did not complete within {timeout} s")
+        return self._error
+
     def add_done_callback(self, fn: Callable[[Handle[T]], None]) -> None:
         """Call `fn(self)` once complete (at once, in this thread, if it already is)."""
         with self._lock:

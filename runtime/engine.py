@@ -34,8 +34,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
-from outcore.runtime.base_files import base_files
-from outcore.runtime.checkpoint import load_checkpoint, save_checkpoint
+from outcore.runtime.checkpoint.base_files import base_files
+from outcore.runtime.checkpoint.sharded import load_checkpoint, save_checkpoint
+from outcore.runtime.checkpoint.sharded_model import ShardedModel
+from outcore.runtime.checkpoint.state_dict import export_model, full_state_dict
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, check_pretrained, lay_out_states, open_store, shapes_of
@@ -50,16 +52,14 @@ from outcore.runtime.optimizer import AdamW
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized_base import as_stored, quantized_plans
-from outcore.runtime.sharded_model import ShardedModel
-from outcore.runtime.state_dict import export_model, full_state_dict
+from outcore.runtime.random_draws import RandomDraws
+from outcore.runtime.saved_activations import SavedActivations
 from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
 from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
 from outcore.runtime.vertical import (
-    RandomDraws,
-    SavedActivations,
     VerticalBatch,
     batch_loss,
     call_model,
@@ -359,7 +359,7 @@ class Engine:
     @_engine_call
     def save_checkpoint(self, directory: str, tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> str:
-        """Sharded, checksummed, atomic; see runtime/checkpoint.py. Every rank calls it. `tag`:
+        """Sharded, checksummed, atomic; see runtime/checkpoint/sharded.py. Every rank calls it. `tag`:
         the folder's name (None: `global_step<N>`, as DeepSpeed names it). `client_state`: the
         caller's own JSON values (epoch, data position), rank 0's kept and given back by
         `load_checkpoint` as its "client_state". Returns the folder."""

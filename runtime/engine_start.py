@@ -24,6 +24,7 @@ from outcore.offload import StorageFullError, Tier, TieredStore
 from outcore.offload.file_source import FileSpan
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory
+from outcore.runtime.checkpoint.sharded_model import AnchorParameter
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.frozen_in_place import UnitSpans
@@ -36,7 +37,6 @@ from outcore.runtime.policy import Placement, StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.quantized_base import stored_spans
-from outcore.runtime.sharded_model import AnchorParameter
 from outcore.runtime.units import ParamSlot, UnitPlan, plan_layout
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ once backward re-gathers the unit.
 [Note: unit gradients] The parameters' views come from one autograd function (`_UnitViews`), and
 its backward hands the parameters' own gradients to `on_gradient` rather than concatenating them
 into a flat gradient for the leaf. With one rank and nothing to scale, the update then reads
-those tensors in place (`gradient_pieces`): on the reference GPT that saves a copy of every
-gradient into freshly mapped memory, 0.22 s a step on 2 cores (0.45 CPU-s, 131K page faults).
+those tensors in place (`gradient_pieces`): that saves a copy of every gradient into freshly
+mapped memory each step (its cost on the reference GPT is in docs/benchmarks.md).
 Several ranks, or a conversion or a scale, concatenate into one flat gradient as before.
 """
 

@@ -3,15 +3,14 @@ own activations and gradients fresh mappings every step.
 
 glibc serves large allocations with mmap and returns them on free, but after each such free it
 raises its threshold (up to 32 MiB), so later unit-sized buffers come from the heap and stay in
-the process after they are freed: peak RSS then depends on timing, not on the budgets (measured:
-1.1 to 1.6 GiB for the same run). Pinning the threshold keeps every buffer above it mmapped, so it
+the process after they are freed: peak RSS then depends on timing, not on the budgets
+(docs/benchmarks.md). Pinning the threshold keeps every buffer above it mmapped, so it
 is returned the moment it is freed.
 
 Below the threshold, buffers come from the heap and are reused as they are: a buffer mmapped
 afresh is faulted in and zeroed again, page by page, each time. Activations and weight gradients
-of a few MiB are allocated and freed every step, so a low threshold costs a step its page faults
-(the reference GPT: 0.1 s of 1.6 at 4 MiB, docs/benchmarks.md), and a high one costs the heap's
-retained free chunks (up to 0.13 GiB more there, with activation checkpointing). So the engine
+of a few MiB are allocated and freed every step, so a low threshold costs a step its page faults,
+and a high one costs the heap's retained free chunks (both measured in docs/benchmarks.md). So the engine
 pins 16 MiB, and 4 MiB where the budgets in host RAM total under 1 GiB, where memory is what the
 user asked to save. A user who sets MALLOC_MMAP_THRESHOLD_ keeps their own setting.
 """

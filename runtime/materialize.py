@@ -14,8 +14,8 @@ files hold them, else by running the module's initialization again with real buf
 a Hugging Face model's own `_init_weights` (which recomputes rotary tables), or
 `reset_parameters()`. A buffer that none of these fills is an error naming it, never garbage.
 (Building with parameters alone on the meta device, as Accelerate's
-`init_empty_weights(include_buffers=False)` does, made peak RSS of the memory test vary between
-0.64 and 1.1 GiB where this measures 0.63-0.66; see docs/benchmarks.md.)
+`init_empty_weights(include_buffers=False)` does, made the memory test's peak RSS vary from run
+to run; see docs/benchmarks.md.)
 """
 
 from __future__ import annotations

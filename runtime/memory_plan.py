@@ -100,22 +100,20 @@ class MemoryPlan:
 
     # [Note: optimizer read-ahead] An update streaming its optimizer states from NVMe reads the next
     # chunks' states while it updates one, and the disk is busy only while reads and write-backs
-    # are queued. `prefetch_depth` chunks of the reference GPT (2 x 16 MB) left it idle between
-    # them at default budgets, and backward waited on the updates; chunks worth READ_AHEAD_BYTES
-    # took 4% off the step, while with 32 MB chunks 2 were already as good: it is the bytes ahead
-    # that count (docs/benchmarks.md). Under a host budget short of the plan's HOST bytes the same
-    # read-ahead cost more than it gained: it evicted what the step read again (256 MiB budgets:
-    # 7% more bytes read, a slower step), so there it stays at `prefetch_depth`.
+    # are queued. `prefetch_depth` small chunks left it idle between them at default budgets, and
+    # backward waited on the updates; chunks worth READ_AHEAD_BYTES kept it busy: it is the bytes
+    # ahead that count, not the chunks. Under a host budget short of the plan's HOST bytes the same
+    # read-ahead cost more than it gained: it evicted what the step read again, so there it stays
+    # at `prefetch_depth` (both measured in docs/benchmarks.md).
 
     # [Note: kept optimizer states] Under NVMe offload the optimizer states of some units may rest
     # in HOST instead, where the host budget has room beside this plan's HOST bytes: the entry
     # units' first, then the others in unit order (`kept_units`). Backward cannot hide the entry
     # units' updates: an input embedding's gradient is final last, and the next forward waited for
-    # its states to be read and written (the reference GPT: 197 MB each way, about 0.15 s a step,
-    # docs/benchmarks.md); an untied head's is final first, and every update queued behind its
-    # states. Kept by choice, not cached by least-recent use, which pushed out what the next
-    # forward reads first (measured: 10-45% more bytes moved a step). The default host budget
-    # holds the entry units' states.
+    # its states to be read and written; an untied head's is final first, and every update queued
+    # behind its states. Kept by choice, not cached by least-recent use, which pushed out what the
+    # next forward reads first and moved more bytes a step (docs/benchmarks.md). The default host
+    # budget holds the entry units' states.
 
     @property
     def entry_states(self) -> int:

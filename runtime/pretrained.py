@@ -4,7 +4,7 @@
 `model.safetensors.index.json`), or any `*.safetensors` files without an index. A directory without
 them may hold the layout before safetensors, `pytorch_model*.bin` (`torch.save` files, with
 `pytorch_model.bin.index.json` when sharded), whose tensors are found by byte range too
-(runtime/torch_pickle.py). Tensors are matched to the model by `model.state_dict()` name; a tied
+(runtime/formats/torch_pickle.py). Tensors are matched to the model by `model.state_dict()` name; a tied
 weight stored under any one of its names fills all of them. Everything is checked before a byte is
 read into the engine: a missing or unexpected name, or a shape or dtype that cannot be converted,
 is one `ValueError` naming the tensor and its file. A unit's tensors are then read one at a time,
@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from outcore.offload.file_source import FileStamp
+from outcore.runtime.formats.safetensors_header import read_header
+from outcore.runtime.formats.safetensors_stream import ST_DTYPES
+from outcore.runtime.formats.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.model_family import ComposedTensor, ModelFamily, NewHead
-from outcore.runtime.safetensors_header import read_header
-from outcore.runtime.safetensors_stream import ST_DTYPES
 from outcore.runtime.stored_quantized import StoredQuantized, stored_quantized
-from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.units import ParamSlot
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def _indexed_files(path: str, name: str) -> list[str]:
 
 def _read_header(file: str) -> dict[str, StoredTensor]:
     """The tensors a weight file holds: a safetensors file's header, or a `torch.save` file's
-    pickle read for byte ranges only (runtime/torch_pickle.py)."""
+    pickle read for byte ranges only (runtime/formats/torch_pickle.py)."""
     if not file.endswith(".safetensors") and is_torch_save(file):
         try:
             extents = tensor_extents(file)
@@ -102,7 +102,7 @@ def _read_header(file: str) -> dict[str, StoredTensor]:
     if _is_legacy_pickle(file):
         raise ValueError(f"{file!r} is a pickle, not in torch.save's zip format (torch 1.6 and later); {RESAVE}.")
     try:
-        header = read_header(file)  # every range checked before a byte is used (runtime/safetensors_header.py)
+        header = read_header(file)  # every range checked before a byte is used (runtime/formats/safetensors_header.py)
     except OSError as e:
         raise ValueError(f"{file!r} is not a readable safetensors file ({e.strerror}).") from e
     return {key: StoredTensor(file, key, t.shape, ST_TO_TORCH.get(t.dtype), t.begin, t.nbytes)

@@ -26,13 +26,13 @@ import torch
 
 from outcore.offload import Tier, TieredStore
 from outcore.runtime.backward_watch import BackwardWatch
+from outcore.runtime.checkpoint.sharded_model import ShardedModel
 from outcore.runtime.collectives import Group, give_up_group
 from outcore.runtime.flat_unit import FlatUnit, UnitState
 from outcore.runtime.gradient_path import GradientPath, Undone
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import Schedule
 from outcore.runtime.policy import Placement, StatePolicy
-from outcore.runtime.sharded_model import ShardedModel
 from outcore.runtime.trace import Trace
 from outcore.runtime.update_stream import UpdateStream
 

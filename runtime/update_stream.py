@@ -41,12 +41,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 
 import torch
 
 from outcore.offload import Tier, TieredStore
 from outcore.offload.background import background_pool
+from outcore.offload.handle import Handle
 from outcore.runtime.flat_unit import Chunk, FlatUnit
 from outcore.runtime.optimizer import AdamW, ParamWriter, update_chunks
 from outcore.runtime.policy import HANDED_OVER, Placement
@@ -70,12 +70,12 @@ class UpdateStream:
         self.counts = StepCounts(len(units))  # optimizer updates each unit, and parameter, has taken
         self.seconds = 0.0  # time spent in updates, either way in
         self._thread = background_pool(1, "outcore-optim", nice)
-        self._pending: dict[int, Future] = {}  # unit index -> its update
+        self._pending: dict[int, Handle[None]] = {}  # unit index -> its update
         # Overlapped updates of a one-micro-step window, oldest first: backward waits while
         # HANDED_OVER of them are still running. That bounds the gradients alive at once, in memory
         # or as store keys; unbounded, a GPU's backward outruns updates on the CPU and its gradients
         # push the optimizer states out of the host budget.
-        self._behind_backward: deque[Future] = deque()
+        self._behind_backward: deque[Handle[None]] = deque()
         # Units in the order their gradients were final, this step and the last: an overlapped
         # update prefetches the optimizer states of the unit expected after it.
         self._order: list[int] = []
@@ -110,7 +110,9 @@ class UpdateStream:
             behind = self._behind_backward
             while behind and (behind[0].done() or len(behind) >= HANDED_OVER):
                 self._result(behind.popleft())
-        future = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle), speculative)
+        future: Handle[None] = Handle()
+        running = self._thread.submit(self._timed, unit.chunks, lr, 1.0, then, None, handed, dict(idle), speculative)
+        running.add_done_callback(lambda done: future.set_done(done.exception()))
         self._pending[unit.index] = future
         if bounded:
             self._behind_backward.append(future)
@@ -144,11 +146,11 @@ class UpdateStream:
                 self.counts.advance(u.index, len(u.plan.slots), idle.get(u.index, ()))
             self.seconds += time.perf_counter() - t0
             return
-        futures: dict[int, Future] = {u.index: Future() for u in units}
+        futures: dict[int, Handle[None]] = {u.index: Handle() for u in units}
         self._pending.update(futures)
         self._submit(futures, lambda: self._timed(chunks, lr, coef, (), futures, None, idle))
 
-    def _submit(self, futures: dict[int, Future], work: Callable[[], None]) -> None:
+    def _submit(self, futures: dict[int, Handle[None]], work: Callable[[], None]) -> None:
         """Run `work` on the optimizer thread, which completes `futures` unit by unit; if it raises,
         each of them not done yet fails with its error."""
 
@@ -190,12 +192,12 @@ class UpdateStream:
         if not speculated:
             return
         started = [f for index in speculated if (f := self._pending.get(index)) is not None]
-        futures: dict[int, Future] = {index: Future() for index in speculated}
+        futures: dict[int, Handle[None]] = {index: Handle() for index in speculated}
         self._pending.update(futures)
 
         def settle() -> None:
             for f in started:  # done (the same thread ran them): a failed one fails its step
-                error = f.exception()
+                error = f.outcome()
                 if error is not None:
                     raise error
             for index, (lr, idle) in speculated.items():
@@ -225,7 +227,7 @@ class UpdateStream:
         for index in units:
             future = self._pending.pop(index, None)
             if future is not None:
-                future.exception()  # done, whatever its outcome: nobody else will look
+                future.outcome()  # done, whatever its outcome: nobody else will look
             if self._speculated.pop(index, None) is not None:
                 self.speculated["taken_back"] += 1
             unit = self.units[index]
@@ -256,8 +258,8 @@ class UpdateStream:
         if future is not None:
             self._result(future)
 
-    def in_flight(self) -> list[Future]:
-        """The futures of updates not yet waited for (finished ones included)."""
+    def in_flight(self) -> list[Handle[None]]:
+        """The handles of updates not yet waited for (finished ones included)."""
         return list(self._pending.values())
 
     def drain(self) -> None:
@@ -310,16 +312,16 @@ class UpdateStream:
         for f in self._take_all():
             self._result(f)
 
-    def _take_all(self) -> list[Future]:
+    def _take_all(self) -> list[Handle[None]]:
         """Every update in flight, each finished (whatever its outcome) and no longer pending."""
         pending, self._pending = list(self._pending.values()), {}
         for f in pending:
-            f.exception()
+            f.outcome()
         return pending
 
-    def _result(self, future: Future) -> None:
+    def _result(self, future: Handle[None]) -> None:
         """Wait for `future`; raise its error if it is the first update to fail."""
-        error = future.exception()
+        error = future.outcome()
         if error is not None and self.failed is None:
             self.failed = error
             raise error
@@ -338,7 +340,7 @@ class UpdateStream:
     # -- on the optimizer thread ------------------------------------------------------------------
 
     def _timed(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
-               finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
+               finished: dict[int, Handle[None]] | None, grad: list[list[torch.Tensor]] | None,
                idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
         t0 = time.perf_counter()
         try:
@@ -347,7 +349,7 @@ class UpdateStream:
             self.seconds += time.perf_counter() - t0
 
     def _stream(self, order: list[Chunk], lr: float, coef: float, then: Sequence[Chunk],
-                finished: dict[int, Future] | None, grad: list[list[torch.Tensor]] | None,
+                finished: dict[int, Handle[None]] | None, grad: list[list[torch.Tensor]] | None,
                 idle: dict[int, frozenset[int]], speculative: bool = False) -> None:
         """Chunk by chunk, with the next `depth` chunks' states on their way to the work tier (past
         the end of `order`, the optimizer states of the chunks in `then`). Each unit's step count

@@ -84,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.tag and not args.resume:
         raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
     if args.resume:
-        from outcore.runtime.checkpoint_folder import NoCheckpointError, find_checkpoint
+        from outcore.runtime.checkpoint.folder import NoCheckpointError, find_checkpoint
 
         checkpoints = os.path.join(args.out, "checkpoints")
         try:

@@ -11,10 +11,8 @@ blank lines (as `outcore train --model` holds its token ids).
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import sysconfig
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +58,10 @@ class ByteCorpus:
                 os.close(fd)
             i += 1
         return bytes(out)
+
+    def row_count(self, seq: int) -> int:
+        """Windows of `seq` bytes in one pass over the text."""
+        return self.nbytes // seq
 
     def batch(self, batch: int, seq: int, generator: torch.Generator,
               shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,47 +162,21 @@ def files_corpus(paths: list[str]) -> tuple[ByteCorpus, ByteCorpus]:
             TextCorpus(b"\n\n".join(held.read(0, held.nbytes) for _, held in parts), f"{names} (held-out parts)"))
 
 
-def documents(path: str, chat: Callable[[list], str] | None = None) -> list[str]:
-    """The texts of `path`: JSONL rows' "text", or a conversation's "messages" rendered by `chat`
-    (a model's chat template; None where there is no model to render them), or the whole file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if not path.endswith(".jsonl"):
-                return [f.read()]
-            rows = []
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--data {path!r} line {n} is not JSON ({e.msg}).") from e
-                if isinstance(row, dict) and isinstance(row.get("text"), str):
-                    rows.append(row["text"])
-                elif isinstance(row, dict) and _is_conversation(row.get("messages")):
-                    rows.append(_rendered(row["messages"], chat, f"--data {path!r} line {n}"))
-                else:
-                    raise ValueError(f"--data {path!r} line {n} has neither a \"text\" string nor a \"messages\" "
-                                     'list; JSONL rows look like {"text": "..."} or {"messages": [{"role": "user", '
-                                     '"content": "..."}, ...]}.')
-            return rows
-    except OSError as e:
-        raise ValueError(f"--data {path!r} cannot be read ({e.strerror}).") from e
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data {path!r} is not UTF-8 text ({e.reason}).") from e
+def documents(path: str) -> list[str]:
+    """The texts of a `.jsonl` file's rows, read as `--model` reads its data (hf/data_files.py);
+    a conversation ("messages") needs a model's chat template, so it is refused here, naming its line."""
+    from outcore.hf.data_files import read_rows
 
-
-def _is_conversation(messages: object) -> bool:
-    return isinstance(messages, list) and bool(messages) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages)
-
-
-def _rendered(messages: list, chat: Callable[[list], str] | None, where: str) -> str:
-    if chat is None:
-        raise ValueError(f"{where} is a conversation (\"messages\"): conversations are rendered by a model's chat "
-                         "template, so they train with `outcore train --model DIR`; give presets rows of \"text\".")
-    try:
-        return chat(messages)
-    except Exception as e:  # the template's own complaint (a role out of order), or no template at all
-        raise ValueError(f"{where}: the conversation cannot be rendered: {e}") from e
+    texts = []
+    for where, row in read_rows(path):
+        if isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif "messages" in row:
+            raise ValueError(f"--data {path!r} {where} is a conversation (\"messages\"): conversations are rendered "
+                             "by a model's chat template, so they train with `outcore train --model DIR`; give presets "
+                             "rows of \"text\".")
+        else:
+            raise ValueError(f"--data {path!r} {where} has neither a \"text\" string nor a \"messages\" list; "
+                             'JSONL rows look like {"text": "..."} or {"messages": [{"role": "user", "content": '
+                             '"..."}, ...]}.')
+    return texts

@@ -15,13 +15,13 @@ import torch
 
 from outcore.hf.adapter_merge import AdapterMerge
 from outcore.offload import StorageCorruptError
-from outcore.runtime.base_files import protected_paths
-from outcore.runtime.checkpoint import BUFFER_PREFIX
-from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta, verify_rank_file
-from outcore.runtime.checkpoint_shards import CheckpointShards
-from outcore.runtime.export_target import check_export_path, export_target, is_one_file
+from outcore.runtime.checkpoint.base_files import protected_paths
+from outcore.runtime.checkpoint.folder import find_checkpoint, read_meta, verify_rank_file
+from outcore.runtime.checkpoint.sharded import BUFFER_PREFIX
+from outcore.runtime.checkpoint.shards import CheckpointShards
+from outcore.runtime.formats.export_target import check_export_path, export_target, is_one_file
+from outcore.runtime.formats.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 from outcore.runtime.policy import DTYPES, torch_dtype
-from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 
 def checkpoint_folder(path: str, tag: str | None = None) -> str:
@@ -56,7 +56,7 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     merge (hf/adapter_merge.py); each merged tensor is computed in `dtype` from its parts.
     A directory gets the tokenizer too: from `tokenizer`, else from the model directory the run
     came from, as meta.json records it ("hf_source"); the result says which, or why none.
-    The output appears whole or not at all (runtime/export_target.py); other files in an existing
+    The output appears whole or not at all (runtime/formats/export_target.py); other files in an existing
     directory are kept."""
     check_export_path(out)
     folder = checkpoint_folder(path, tag)

@@ -9,7 +9,7 @@ import resource
 import sys
 from contextlib import contextmanager
 
-from outcore.runtime.written_files import create_file, unique_name
+from outcore.runtime.formats.written_files import create_file, unique_name
 
 
 def table(headers: list[str], rows: list[list], *, out=None) -> None:

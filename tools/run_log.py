@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from outcore.runtime.written_files import open_appending
+from outcore.runtime.formats.written_files import open_appending
 
 TRACKERS = ("tensorboard", "wandb")
 

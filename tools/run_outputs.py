@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from outcore.runtime.checkpoint_guard import holds_only_a_save, is_checkpoint_folder
+from outcore.runtime.checkpoint.guard import holds_only_a_save, is_checkpoint_folder
 
 _STEP_TAG = re.compile(r"^step\d+$")
 _STEP_ASIDE = re.compile(r"^\.step\d+\.old$")  # a tag's previous save, kept while it is saved again

@@ -27,7 +27,7 @@ from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import DirectoryLock
-from outcore.runtime.checkpoint_folder import find_checkpoint
+from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
 from outcore.runtime.sizes import human_bytes, human_count
@@ -126,6 +126,58 @@ def scratch_nvme_dir(values: dict) -> OwnedDir | None:
     return owned
 
 
+def make_job(opts: TrainOptions) -> Job:
+    """What the run trains: a preset on text, or a Hugging Face model on fine-tuning data."""
+    if not opts.model:
+        return preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed)
+    data = DataOptions(tuple(data_file(spec) for spec in opts.data), opts.chat_template, not opts.train_on_prompt,
+                       opts.packing, opts.eval_data, opts.eval_split) if opts.data else None
+    return hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=data, batch=opts.batch, seq=opts.seq,
+                  seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
+                  lora_init=opts.lora_init, dora=opts.dora)
+
+
+def optimizer_settings(opts: TrainOptions, job: Job, config: runtime.Config) -> dict:
+    """AdamW's settings: the job's defaults, then the config's optimizer section, then the flags
+    (--lr: the schedule's peak)."""
+    hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
+             else 0.0, **config.optimizer}
+    hyper["betas"] = (opts.adam_beta1 if opts.adam_beta1 is not None else hyper["betas"][0],
+                      opts.adam_beta2 if opts.adam_beta2 is not None else hyper["betas"][1])
+    for key, value in (("lr", opts.lr), ("weight_decay", opts.weight_decay)):
+        if value is not None:
+            hyper[key] = value
+    return hyper
+
+
+def built_model(job: Job, checkpointing: bool) -> torch.nn.Module:
+    """The job's model (parameters on the meta device), its activation checkpointing as asked."""
+    model = job.build()
+    enable = hf_checkpointing(model)
+    if enable is not None:  # a Hugging Face model: its own
+        if checkpointing:
+            enable()
+    else:  # read by outcore's GPT (and by any model of one's own that honours it)
+        setattr(model, "checkpoint_activations", checkpointing)  # noqa: B010
+    return model
+
+
+def one_step(engine: runtime.Engine, job: Job, step: int, accum: int, *, vertical: bool, shard: tuple[int, int],
+             device: torch.device) -> tuple[dict, float]:
+    """Optimizer step `step` over `accum` micro-batches: one train_batch (`vertical`: each unit read
+    once for all of them) or a backward each; its stats and the micro-batches' summed loss."""
+    batches = [job.train.at(step * accum + micro, shard) for micro in range(accum)]
+    if vertical:
+        result = engine.train_batch([job.inputs(b, device) for b in batches])
+        return result, sum(result["losses"])
+    loss_sum = 0.0
+    for b in batches:
+        loss = job_loss(engine, job, b, device)
+        engine.backward(loss)
+        loss_sum += float(loss.detach())
+    return engine.step(), loss_sum
+
+
 def run_steps(opts: TrainOptions, job: Job) -> int:
     """The run's optimizer steps: --epochs' passes over the training rows (capped by --steps), or
     --steps, or the job's default."""
@@ -133,7 +185,7 @@ def run_steps(opts: TrainOptions, job: Job) -> int:
         return opts.steps or job.steps
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_step = opts.batch * (opts.accumulate or 1) * world
-    rows = len(job.train.corpus) if hasattr(job.train.corpus, "__len__") else job.train.corpus.nbytes // job.seq
+    rows = job.train.corpus.row_count(job.seq)
     steps = max(1, math.ceil(opts.epochs * rows / per_step))
     return min(steps, opts.steps) if opts.steps else steps
 
@@ -203,12 +255,7 @@ def _train(opts: TrainOptions, report) -> dict:
         report(f"outcore train: {limited}")
     check_flags(opts)
     check_outputs(opts.out, opts.report_to)
-    data = DataOptions(tuple(data_file(spec) for spec in opts.data), opts.chat_template, not opts.train_on_prompt,
-                       opts.packing, opts.eval_data, opts.eval_split) if opts.data else None
-    job = (hf_job(opts.model, lora=opts.lora, merge=opts.merge_adapters, data=data, batch=opts.batch,
-                  seq=opts.seq, seed=opts.seed, lora_alpha=opts.lora_alpha, lora_targets=opts.lora_targets,
-                  lora_init=opts.lora_init, dora=opts.dora)
-           if opts.model else preset_job(opts.preset, data=opts.data, batch=opts.batch, seq=opts.seq, seed=opts.seed))
+    job = make_job(opts)
     checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
                      else job.checkpoint_activations)
 
@@ -226,14 +273,7 @@ def _train(opts: TrainOptions, report) -> dict:
                       budgets=e.smallest, max_memory=opts.max_memory)
         raise
     steps = run_steps(opts, job)
-    # AdamW: the job's defaults, then the config's optimizer section, then the flags (--lr: the schedule's peak)
-    hyper = {"lr": job.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 if job.trainable == job.params
-             else 0.0, **config.optimizer}
-    hyper["betas"] = (opts.adam_beta1 if opts.adam_beta1 is not None else hyper["betas"][0],
-                      opts.adam_beta2 if opts.adam_beta2 is not None else hyper["betas"][1])
-    for key, value in (("lr", opts.lr), ("weight_decay", opts.weight_decay)):
-        if value is not None:
-            hyper[key] = value
+    hyper = optimizer_settings(opts, job, config)
     schedule = Schedule(opts.lr_scheduler or DEFAULT_SCHEDULE, steps,
                         warmup_steps(steps, opts.warmup_steps, opts.warmup_ratio), hyper["lr"], opts.min_lr_rate)
     eval_every = opts.eval_every or max(1, steps // 5)
@@ -253,13 +293,7 @@ def _train(opts: TrainOptions, report) -> dict:
                   max_memory=opts.max_memory)
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
-        model = job.build()
-        enable = hf_checkpointing(model)
-        if enable is not None:  # a Hugging Face model: its own
-            if checkpointing:
-                enable()
-        else:  # read by outcore's GPT (and by any model of one's own that honours it)
-            setattr(model, "checkpoint_activations", checkpointing)  # noqa: B010
+        model = built_model(job, checkpointing)
         hp = runtime.AdamW(**hyper)
         t_init = time.perf_counter()
         engine = runtime.Engine(model, config, hp, seed=opts.seed, **job.engine_kw)
@@ -294,17 +328,8 @@ def _train(opts: TrainOptions, report) -> dict:
             for step in range(start, steps):
                 engine.lr = schedule.rate(step)
                 t0 = time.perf_counter()
-                loss_sum = 0.0
-                if opts.accumulate:  # one train_batch: each unit read once for all the micro-batches
-                    result = engine.train_batch([job.inputs(job.train.at(step * accum + micro, shard), device)
-                                                 for micro in range(accum)])
-                    loss_sum = sum(result["losses"])
-                else:
-                    for micro in range(accum):
-                        loss = job_loss(engine, job, job.train.at(step * accum + micro, shard), device)
-                        engine.backward(loss)
-                        loss_sum += float(loss.detach())
-                    result = engine.step()
+                result, loss_sum = one_step(engine, job, step, accum, vertical=bool(opts.accumulate), shard=shard,
+                                            device=device)
                 grad_norms.append(result["grad_norm"])
                 evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
                 saving = save_every > 0 and (step + 1) % save_every == 0 and step + 1 != steps

@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,10 +31,23 @@ DEFAULT_STEPS = {"tiny": 300}
 FINE_TUNE_LR, LORA_LR, FINE_TUNE_SEQ = 2e-5, 1e-3, 512
 
 
-class Data:
-    """Seeded batches of one split (`ByteCorpus` or `TokenCorpus` underneath)."""
+class BatchSource(Protocol):
+    """Where a split's batches come from: bytes of text (tools/corpus.py `ByteCorpus`) or packed
+    fine-tuning rows (hf/sft_data.py `SFTDataset`)."""
 
-    def __init__(self, corpus: Any, batch: int, seq: int, seed: int, split: str) -> None:
+    def batch(self, batch: int, seq: int, generator: torch.Generator, shard: tuple[int, int] = (0, 1)) -> Any:
+        """`batch` rows drawn with `generator` (the same draw on every rank), this rank's part for `shard`."""
+        ...
+
+    def row_count(self, seq: int) -> int:
+        """How many rows of `seq` tokens one pass over it holds (an epoch's)."""
+        ...
+
+
+class Data:
+    """Seeded batches of one split."""
+
+    def __init__(self, corpus: BatchSource, batch: int, seq: int, seed: int, split: str) -> None:
         self.corpus, self.batch, self.seq, self.seed, self.split = corpus, batch, seq, seed, split
 
     def at(self, index: int, shard: tuple[int, int] = (0, 1)) -> Any:

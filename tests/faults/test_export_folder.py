@@ -16,7 +16,7 @@ import outcore
 
 MODEL = """
 import os, signal, sys, torch, outcore
-import outcore.runtime.export_target as target
+import outcore.runtime.formats.export_target as target
 torch.manual_seed(int(sys.argv[2]))
 model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
 engine = outcore.Engine(model, outcore.Config())

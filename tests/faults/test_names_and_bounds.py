@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import outcore
-from outcore.runtime.checkpoint_folder import is_tag
+from outcore.runtime.checkpoint.folder import is_tag
 from outcore.tools.cli import main
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import outcore
-from outcore.runtime.safetensors_header import DTYPE_BYTES, read_header
+from outcore.runtime.formats.safetensors_header import DTYPE_BYTES, read_header
 
 
 def write(path, header, data: bytes) -> str:
@@ -116,7 +116,7 @@ def test_outcore_refuses_at_least_every_header_the_library_refuses(tmp_path_fact
 
 def test_a_meta_json_of_deeply_nested_brackets_is_a_corrupt_checkpoint_not_a_recursion_error(tmp_path):
     from outcore.offload.errors import CheckpointCorruptError
-    from outcore.runtime.checkpoint_folder import read_meta
+    from outcore.runtime.checkpoint.folder import read_meta
 
     (tmp_path / "meta.json").write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(CheckpointCorruptError, match="nests deeper"):

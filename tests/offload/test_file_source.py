@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from outcore.offload import Tier, TieredStore
 from outcore.offload.file_source import FileSource, FileSpan, FileStamp, WeightsFileChanged, file_checksum
-from outcore.runtime.safetensors_header import read_header
+from outcore.runtime.formats.safetensors_header import read_header
 
 ST_DTYPE = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 

@@ -27,7 +27,7 @@ def fresh_dynamo():
 @pytest.fixture
 def anchor_warning_unsaid(monkeypatch):
     """The anchor's clipping warning is said once per process: unsaid, a test can see it."""
-    from outcore.runtime.sharded_model import AnchorParameter
+    from outcore.runtime.checkpoint.sharded_model import AnchorParameter
 
     monkeypatch.setattr(AnchorParameter, "_said", False)
 

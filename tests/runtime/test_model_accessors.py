@@ -114,19 +114,19 @@ def test_save_pretrained_fails_the_same_way_and_export_writes_the_model(tmp_path
 def test_clipping_model_parameters_says_once_that_it_clips_nothing(tmp_path, monkeypatch, caplog):
     """`model.parameters()` yields only the empty anchor: a plain PyTorch clip over it finds no
     gradient. That is said once in the log, naming Config.grad_clip, and training goes on."""
-    from outcore.runtime.sharded_model import AnchorParameter
+    from outcore.runtime.checkpoint.sharded_model import AnchorParameter
 
     monkeypatch.setattr(AnchorParameter, "_said", False)
     model, engine = engine_for(tmp_path, stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=1.0)
     assert [type(p) for p in model.parameters()] == [AnchorParameter]
-    with caplog.at_level("WARNING", logger="outcore.runtime.sharded_model"):
+    with caplog.at_level("WARNING", logger="outcore.runtime.checkpoint.sharded_model"):
         model.to("cpu").float()  # these read every parameter's .grad to move it: not the habit warned of
         model.zero_grad()  # clears nothing, loses nothing (a Trainer's loop calls it every step)
     assert not [r for r in caplog.records if "clips nothing" in r.getMessage()]
     norms = []
     for x, y in batches(2, batch=2, vocab=128):
         engine.backward(engine(x, y))
-        with caplog.at_level("WARNING", logger="outcore.runtime.sharded_model"):
+        with caplog.at_level("WARNING", logger="outcore.runtime.checkpoint.sharded_model"):
             assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
         norms.append(engine.step()["grad_norm"])
     said = [r for r in caplog.records if "clips nothing" in r.getMessage()]

@@ -1,6 +1,5 @@
 """fp32, one rank: the engine trains exactly like plain PyTorch with torch.optim.AdamW."""
 
-import concurrent.futures
 import copy
 import dataclasses
 import itertools
@@ -450,7 +449,8 @@ def test_every_forward_prefetches_the_units_ahead_once_their_updates_are_done(tm
     engine.store.prefetch = spy
     data, losses = batches(4), []
     for x, y in data:
-        concurrent.futures.wait(engine.updates.in_flight())  # done, and left in the table
+        for update in engine.updates.in_flight():  # done, and left in the table
+            update.outcome()
         asked.append(set())
         in_forward[0] = True
         loss = engine(x, y)

@@ -131,7 +131,7 @@ def test_a_bf16_checkpoint_resumes_exactly_and_converts_both_ways(tmp_path, capl
 def test_train_takes_state_dtype(tmp_path, monkeypatch):
     import json
 
-    from outcore.runtime.checkpoint_folder import find_checkpoint, read_meta
+    from outcore.runtime.checkpoint.folder import find_checkpoint, read_meta
     from outcore.tools.cli import main
 
     monkeypatch.chdir(tmp_path)

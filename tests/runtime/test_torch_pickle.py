@@ -8,9 +8,9 @@ import zipfile
 import pytest
 import torch
 
+from outcore.runtime.formats.torch_pickle import is_torch_save, tensor_extents
 from outcore.runtime.model_family import ModelFamily
 from outcore.runtime.pretrained import PretrainedWeights
-from outcore.runtime.torch_pickle import is_torch_save, tensor_extents
 
 PLAIN = ModelFamily(torch.nn.Module())  # stored names as they are
 

@@ -8,7 +8,7 @@ from hf_models import deferred, save_model, token_batches
 from models import TinyGPT, batches
 
 import outcore
-from outcore.runtime import vertical
+from outcore.runtime import saved_activations
 
 K = 4
 
@@ -105,7 +105,7 @@ def test_parameters_are_read_once_per_optimizer_step(tmp_path, monkeypatch):
     """Budgets too small for the parameters: every gather reads NVMe. K=4 through train_batch reads
     what one micro-batch's step reads, plus the activation keys that came back from NVMe; K=4
     micro-steps read the parameters K times over."""
-    monkeypatch.setattr(vertical, "PAGED_BYTES", 1 << 12)  # page the small test's activations too
+    monkeypatch.setattr(saved_activations, "PAGED_BYTES", 1 << 12)  # page the small test's activations too
     budgets = {"host_budget": 600_000, "device_budget": 500_000}
     data = batches(2 * K, batch=2, vocab=128)
     one = gpt_engine(tmp_path, "one", 1, **budgets)
@@ -132,8 +132,8 @@ def test_parameters_are_read_once_per_optimizer_step(tmp_path, monkeypatch):
 def test_nothing_offloaded_pages_activations_only_with_a_host_budget(tmp_path, monkeypatch, caplog, host_budget):
     """A resident engine given no HOST budget keeps train_batch's activations as plain accumulation
     does, without a word; given one, it pages them within it."""
-    monkeypatch.setattr(vertical, "PAGED_BYTES", 1 << 12)
-    monkeypatch.setattr(vertical.SavedActivations, "_said_kept", False)
+    monkeypatch.setattr(saved_activations, "PAGED_BYTES", 1 << 12)
+    monkeypatch.setattr(saved_activations.SavedActivations, "_said_kept", False)
     torch.manual_seed(0)
     engine = outcore.Engine(TinyGPT(vocab=128), outcore.Config(stage=3, host_budget=host_budget))
     with caplog.at_level("WARNING"):

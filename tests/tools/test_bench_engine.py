@@ -1,4 +1,4 @@
-"""`python -m outcore.tools.bench_engine step`: each kind in its own process, under the budgets asked for."""
+"""`python -m outcore.tools.kit.bench_engine step`: each kind in its own process, under the budgets asked for."""
 
 import importlib
 import json

@@ -4,8 +4,8 @@ import pytest
 
 pytest.importorskip("peft")
 
-from outcore.tools.bench_generate import run  # noqa: E402
-from outcore.tools.bench_pretrained import make_model  # noqa: E402
+from outcore.tools.kit.bench_generate import run  # noqa: E402
+from outcore.tools.kit.bench_pretrained import make_model  # noqa: E402
 
 
 def test_the_engine_generates_what_the_whole_model_generates(tmp_path):

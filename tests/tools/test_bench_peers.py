@@ -1,4 +1,4 @@
-"""`python -m outcore.tools.bench_peers`: each kind in its own process, medians in one table."""
+"""`python -m outcore.tools.kit.bench_peers`: each kind in its own process, medians in one table."""
 
 import json
 

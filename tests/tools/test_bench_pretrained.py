@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from outcore.tools.bench_pretrained import main
+from outcore.tools.kit.bench_pretrained import main
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -128,7 +128,7 @@ def test_an_export_into_a_directory_keeps_its_other_files_and_drops_stale_shards
 
 @pytest.mark.parametrize("via", ["engine", "offline"])
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch, via):
-    from outcore.runtime.safetensors_stream import SafetensorsWriter
+    from outcore.runtime.formats.safetensors_stream import SafetensorsWriter
 
     engine, _ = _trained_engine(tmp_path)
     out = tmp_path / "m.safetensors"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from outcore.tools.soak import main, soak, trend
+from outcore.tools.kit.soak import main, soak, trend
 
 
 def test_the_trend_is_fitted_after_the_warm_up():

@@ -1,7 +1,7 @@
 """Fine-tuning a pretrained model larger than the budgets: load it with `weights=` and train a few
 LoRA and full steps with parameters and optimizer states on NVMe.
 
-    python -m outcore.tools.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
+    python -m outcore.tools.kit.bench_pretrained --dir D [--layers 28] [--hidden 2048] [--steps 3]
                                              [--budget 256M] [--kinds load,lora,full,plain-lora,trainer]
                                              [--lora-init pissa] [--dora]
                                              [--intermediate 11008] [--kv-heads 32]
@@ -253,7 +253,7 @@ def _through_trainer(model_dir: str, x: torch.Tensor, lora: Any, config: Any, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_pretrained")
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.bench_pretrained")
     p.add_argument("--dir", required=True)
     p.add_argument("--layers", type=positive_int, default=28)
     p.add_argument("--hidden", type=positive_int, default=2048, help="a multiple of 256 (heads of 128, 2 per KV head)")
@@ -289,10 +289,11 @@ def main(argv: list[str] | None = None) -> None:
                       "bytes": sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir))}),
           flush=True)
     for kind in args.kinds.split(","):
-        cmd = [sys.executable, "-m", "outcore.tools.bench_pretrained", "--dir", args.dir, "--steps", str(args.steps),
-               "--budget", str(args.budget), "--_run", kind] + (["--checkpoint"] if args.checkpoint else []) + (
-                   ["--lora-init", args.lora_init] if args.lora_init else []) + (["--dora"] if args.dora else []) + (
-                   ["--fused-head"] if args.fused_head else []) + ["--dtype", args.dtype]
+        cmd = [sys.executable, "-m", "outcore.tools.kit.bench_pretrained", "--dir", args.dir, "--steps",
+               str(args.steps), "--budget", str(args.budget), "--_run", kind]
+        cmd += (["--checkpoint"] if args.checkpoint else []) + (["--lora-init", args.lora_init] if args.lora_init
+                                                                else []) + (["--dora"] if args.dora else [])
+        cmd += (["--fused-head"] if args.fused_head else []) + ["--dtype", args.dtype]
         res = subprocess.run(cmd, capture_output=True, text=True)
         line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps(
             {"kind": kind, "error": res.stderr.strip().splitlines()[-1:]})

@@ -1,6 +1,6 @@
 """The GPU kit: what a GPU owner runs once, in about 15 minutes, to check outcore on their machine.
 
-    python -m outcore.tools.gpu_check [--out gpu_check.json] [--nvme-dir DIR] [--quick]
+    python -m outcore.tools.kit.gpu_check [--out gpu_check.json] [--nvme-dir DIR] [--quick]
 
 1. the `cuda`-marked tests (`pytest -m cuda`, where the repository's tests are beside the package);
 2. parity on the GPU: a small GPT trained by the engine against plain PyTorch, fp32 and bf16, for
@@ -14,7 +14,7 @@
    largest preset whose states fit this machine's memory;
 6. real shapes (not with --quick): a Llama-8B-shaped full fine-tune and a Qwen-14B-shaped LoRA with
    its base on NVMe under a 16 GiB device budget, each beside the step estimate's prediction
-   (tools/gpu_shapes.py).
+   (tools/kit/gpu_shapes.py).
 Everything goes into one JSON file, written again after each part: a part that fails is recorded
 there (its error and traceback) and the kit goes on with the next, since the first run on a new
 machine is when things break and the JSON is what comes back. On a machine without CUDA it says
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from outcore.runtime.sizes import human_bytes, human_count
-from outcore.tools.gpu_shapes import SHAPES, deepspeed_note
+from outcore.tools.kit.gpu_shapes import SHAPES, deepspeed_note
 from outcore.tools.report import check_json_argument
 
 PARITY_SETTINGS = [(1, "none", "none"), (1, "none", "cpu"), (2, "none", "cpu"), (2, "none", "nvme"),
@@ -238,7 +238,7 @@ def throughput(device: torch.device, preset: str, nvme_dir: str, *, offload: str
 
 def shape_row(row: str, nvme_dir: str, *, peak: float, disk: dict, overlap: dict | None, batch: int = 1,
               seq: int = 2048, steps: int = 2, timeout: float = 420) -> dict:
-    """One real-shape row (tools/gpu_shapes.py) in a process of its own, with the rates this kit
+    """One real-shape row (tools/kit/gpu_shapes.py) in a process of its own, with the rates this kit
     measured (the compute rate on the row's own width)."""
     from outcore.tools import step_estimate as se
 
@@ -247,7 +247,7 @@ def shape_row(row: str, nvme_dir: str, *, peak: float, disk: dict, overlap: dict
              "flops": se.measure_flops("cuda", "bf16", tokens=batch * seq, d_model=width), "adam": se.measure_adam(),
              "host_device": (overlap or {}).get("copy_GBps", 25.0) * 1e9, "peak_flops": peak}
     spec = {"device": "cuda", "nvme_dir": nvme_dir, "rates": rates, "batch": batch, "seq": seq, "steps": steps}
-    res = subprocess.run([sys.executable, "-m", "outcore.tools.gpu_shapes", row, json.dumps(spec)],
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.kit.gpu_shapes", row, json.dumps(spec)],
                          capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{row} failed: {res.stderr[-2000:]}")
@@ -270,7 +270,7 @@ def largest_fitting(memory_bytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", "--out", dest="out", metavar="PATH", default="gpu_check.json",
                    help="the one JSON file of every result, written as each part ends (default: gpu_check.json)")
     p.add_argument("--nvme-dir", default=".", help="where the NVMe runs put their swap files")

@@ -1,8 +1,8 @@
 """Engine benchmarks: optimizer throughput and training-step time against plain PyTorch.
 
-    python -m outcore.tools.bench_engine optimizer [--params 100M] [--repeats 5]
-    python -m outcore.tools.bench_engine store [--dir D] [--repeats 3]
-    python -m outcore.tools.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
+    python -m outcore.tools.kit.bench_engine optimizer [--params 100M] [--repeats 5]
+    python -m outcore.tools.kit.bench_engine store [--dir D] [--repeats 3]
+    python -m outcore.tools.kit.bench_engine step [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 1]
                                       [--dtype fp32] [--kinds plain,nvme-noclip,nvme-clip] [--accumulate K]
                                       [--budget 256M|derived] [--host-budget SIZE] [--checkpoint] [--no-fio]
 
@@ -239,7 +239,7 @@ def _budget(text: str) -> int | None:
 
 
 def _child(args: list[str]) -> dict:
-    res = subprocess.run([sys.executable, "-m", "outcore.tools.bench_engine", "_run", *args],
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.kit.bench_engine", "_run", *args],
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"benchmark process failed: {res.stderr[-2000:]}")
@@ -249,7 +249,7 @@ def _child(args: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from outcore.tools.gpt import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_engine")
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.bench_engine")
     sub = p.add_subparsers(dest="what", required=True)
     o = sub.add_parser("optimizer")
     o.add_argument("--params", type=parse_size, default=100_000_000)

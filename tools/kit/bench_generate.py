@@ -2,7 +2,7 @@
 costs under outcore, where every new token runs the whole model and reads again what the device
 tier does not hold.
 
-    python -m outcore.tools.bench_generate --dir D [--layers 16] [--hidden 1024] [--budget 256M]
+    python -m outcore.tools.kit.bench_generate --dir D [--layers 16] [--hidden 1024] [--budget 256M]
                                            [--batch 4] [--prompt 16] [--new 32] [--rounds 3]
 
 The Llama-shaped model of `bench_pretrained` (random bf16 weights, written once in D/model) is loaded
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from outcore.tools.arg_types import parse_size, positive_int
-from outcore.tools.bench_pretrained import make_model
+from outcore.tools.kit.bench_pretrained import make_model
 from outcore.tools.report import peak_rss
 
 KINDS = ("plain", "engine")
@@ -73,7 +73,7 @@ def run(kind: str, model_dir: str, scratch: str, budget: int, batch: int, prompt
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_generate")
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.bench_generate")
     p.add_argument("--dir", required=True)
     p.add_argument("--layers", type=positive_int, default=16)
     p.add_argument("--hidden", type=positive_int, default=1024, help="a multiple of 256")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {k: [] for k in KINDS}
     for _ in range(args.rounds):
         for kind in KINDS:
-            cmd = [sys.executable, "-m", "outcore.tools.bench_generate", "--dir", args.dir, "--budget",
+            cmd = [sys.executable, "-m", "outcore.tools.kit.bench_generate", "--dir", args.dir, "--budget",
                    str(args.budget), "--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new),
                    "--_run", kind]
             res = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,7 +1,7 @@
 """`outcore estimate --predict` against `outcore train` on this machine: the step predicted and
 the step measured, for a ladder of shapes from the tiny preset to a LoRA on a Llama shape.
 
-    python -m outcore.tools.bench_predict --dir D [--rounds 2] [--cases tiny,gpt-125m,...]
+    python -m outcore.tools.kit.bench_predict --dir D [--rounds 2] [--cases tiny,gpt-125m,...]
 
 Each case runs `outcore estimate --predict` and `outcore train` with the same model, batch,
 sequence length and placement (the one the estimate recommends, which `train` also chooses, or the
@@ -38,7 +38,7 @@ CASES = {  # name: (model flags, shape flags, placement flags, steps)
 def _llama(directory: str, seven_b: bool = False) -> tuple[str, str]:
     """The Llama shape of bench_generate (16 x 1024, 253M parameters), or Llama-7B's (32 x 4096), and
     a JSONL of text rows its word-level tokenizer reads."""
-    from outcore.tools.bench_pretrained import make_model
+    from outcore.tools.kit.bench_pretrained import make_model
 
     os.makedirs(directory, exist_ok=True)
     model = (make_model(directory, 32, 4096, intermediate=11008, kv_heads=32) if seven_b
@@ -82,7 +82,7 @@ def run_case(name: str, directory: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_predict")
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.bench_predict")
     p.add_argument("--dir", required=True)
     p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")

@@ -8,7 +8,7 @@
 Every rank writes into a folder of this save's own (`<dir>/.<tag>.<pid>-<random>.tmp/`),
 streaming one unit at a time from wherever its state rests (NVMe included). Rank 0 then writes
 meta.json and renames the folder into place, and only after that updates `latest`: a crash at any
-instant leaves the previous checkpoint whole. Who may save where: runtime/checkpoint_guard.py.
+instant leaves the previous checkpoint whole. Who may save where: runtime/checkpoint/guard.py.
 Loading checks the layout and the crc32 of each file it reads before reading a byte of it into the
 engine, and reads with safetensors (no unpickling). A checkpoint written by N ranks loads on M.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from outcore.offload import StorageError, Tier, TieredStore
-from outcore.runtime.checkpoint_folder import (
+from outcore.runtime.checkpoint.folder import (
     FORMAT,
     LATEST,
     find_checkpoint,
@@ -34,24 +34,24 @@ from outcore.runtime.checkpoint_folder import (
     sealed,
     verify_rank_file,
 )
-from outcore.runtime.checkpoint_guard import (
+from outcore.runtime.checkpoint.guard import (
     refuse_a_file_in_the_way,
     refuse_scratch_inside,
     refuse_what_is_not_ours,
     sweep_dead_saves,
 )
-from outcore.runtime.checkpoint_shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
+from outcore.runtime.checkpoint.shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.collectives import barrier, gather_objects
+from outcore.runtime.formats.safetensors_stream import SafetensorsWriter, file_crc32
+from outcore.runtime.formats.written_files import create_file, unique_name
 from outcore.runtime.frozen_in_place import checksums
 from outcore.runtime.optimizer import ParamWriter
 from outcore.runtime.quantized import QuantizedLayout
-from outcore.runtime.safetensors_stream import SafetensorsWriter, file_crc32
-from outcore.runtime.written_files import create_file, unique_name
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from outcore.runtime.sharded_model import ShardedModel
+    from outcore.runtime.checkpoint.sharded_model import ShardedModel
 
 def _layout(sm: ShardedModel) -> list[dict]:
     """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
@@ -146,7 +146,7 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
 
 def _begin(sm: ShardedModel, directory: str, tag: str) -> str:
     """Rank 0 takes the directory's lock, clears dead saves' leftovers and makes this save's own
-    folder (runtime/checkpoint_guard.py); every rank learns its name, or rank 0's error."""
+    folder (runtime/checkpoint/guard.py); every rank learns its name, or rank 0's error."""
     tmp, error = "", None
     if sm.group.rank == 0:
         try:
@@ -227,7 +227,7 @@ def _publish(directory: str, tag: str, tmp: str, meta: dict) -> None:
     """Rank 0: meta.json into the finished folder, the folder into place, then `latest`. A tag saved
     before is moved aside to `.<tag>.old` first, and back should the move of the new one fail; a
     crash between the two leaves `.<tag>.old`, which loading takes for the tag
-    (runtime/checkpoint_folder.py)."""
+    (runtime/checkpoint/folder.py)."""
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(sealed(meta), f, indent=1, default=str)
         f.flush()
@@ -335,7 +335,7 @@ def _moved_base(meta: dict, moved: dict[str, str]) -> None:
 def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) -> dict:
     """Restore the model states of a checkpoint written by `save_checkpoint` exactly, on any number
     of ranks (each reads its own new shard from whichever rank files hold it; see
-    runtime/checkpoint_shards.py); every rank calls it. Returns its meta.json, whose step, lr and
+    runtime/checkpoint/shards.py); every rank calls it. Returns its meta.json, whose step, lr and
     loss scale the engine restores itself. It also mends an engine whose update failed: every state
     is the checkpoint's afterwards."""
     sm.updates.abandon()

@@ -15,7 +15,7 @@ import os
 import zlib
 
 from outcore.offload import CheckpointCorruptError
-from outcore.runtime.safetensors_stream import file_crc32
+from outcore.runtime.formats.safetensors_stream import file_crc32
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from outcore.offload import TieredStore
-from outcore.runtime.base_files import BaseFiles
-from outcore.runtime.checkpoint_guard import WriterLock
+from outcore.runtime.checkpoint.base_files import BaseFiles
+from outcore.runtime.checkpoint.guard import WriterLock
 from outcore.runtime.collectives import Group
 from outcore.runtime.flat_unit import FlatUnit
 from outcore.runtime.model_family import ModelFamily

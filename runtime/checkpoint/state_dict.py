@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from outcore.runtime.export_target import check_export_path, export_target, is_one_file
 from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.formats.export_target import check_export_path, export_target, is_one_file
+from outcore.runtime.formats.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 from outcore.runtime.model_family import TensorMerge
-from outcore.runtime.safetensors_stream import SafetensorsWriter, ShardedSafetensorsWriter
 
 if TYPE_CHECKING:
-    from outcore.runtime.sharded_model import ShardedModel
+    from outcore.runtime.checkpoint.sharded_model import ShardedModel
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def export(sm: ShardedModel, path: str, *, max_shard_size: int, save_config: Cal
     """Stream every parameter and buffer into `path`: one safetensors file when it ends in
     `.safetensors`, else a Hugging Face directory (shards, index, and `save_config(path)` writing
     config.json); written aside and moved into place, keeping other files of an existing directory
-    (runtime/export_target.py). With `merge`, a peft model's adapters are merged into the base
+    (runtime/formats/export_target.py). With `merge`, a peft model's adapters are merged into the base
     model's tensors, which take its names (hf/adapter_merge.py). Rank 0 writes; every rank
     gathers."""
     one_file = is_one_file(path)

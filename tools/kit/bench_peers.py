@@ -1,6 +1,6 @@
 """Peers in one run: plain PyTorch, outcore and DeepSpeed ZeRO-3 training the same GPT.
 
-    python -m outcore.tools.bench_peers [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 3]
+    python -m outcore.tools.kit.bench_peers [--preset bench-134m] [--batch 2] [--steps 8] [--rounds 3]
                                         [--dir .] [--kinds plain,outcore,deepspeed] [--json PATH]
 
 outcore and DeepSpeed both keep parameters and optimizer states on NVMe (`--dir`), fp32, no
@@ -91,7 +91,7 @@ def run_deepspeed(preset: str, batch: int, steps: int, nvme_root: str, offload: 
 
 def run_kind(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> dict:
     """One kind in this process, with the disk bytes it moved per step."""
-    from outcore.tools.bench_engine import run_step
+    from outcore.tools.kit.bench_engine import run_step
 
     io0 = psutil.Process().io_counters()
     if kind in DEEPSPEED_OFFLOAD:
@@ -105,7 +105,7 @@ def run_kind(kind: str, preset: str, batch: int, steps: int, nvme_root: str) -> 
 
 
 def _child(spec: dict) -> dict:
-    res = subprocess.run([sys.executable, "-m", "outcore.tools.bench_peers", "_run", json.dumps(spec)],
+    res = subprocess.run([sys.executable, "-m", "outcore.tools.kit.bench_peers", "_run", json.dumps(spec)],
                          capture_output=True, text=True)
     if res.returncode != 0:
         return {"kind": spec["kind"], "error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "failed"}
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_run"]:
         print(json.dumps(run_kind(**json.loads(argv[1]))))
         return 0
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.bench_peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.bench_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench-134m", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)

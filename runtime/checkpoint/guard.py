@@ -9,7 +9,7 @@
   meta.json), and `.<tag>.old`, the previous save of a tag kept until the new one is in place,
   if it holds only rank files and meta.json. Anything else under those names is the user's:
   refused before a byte is written, and left as it is.
-- Its temporary names are its own (runtime/written_files.py `unique_name`). Holding the lock, a
+- Its temporary names are its own (runtime/formats/written_files.py `unique_name`). Holding the lock, a
   save also removes those of earlier saves that died, where they hold only what a save writes.
 """
 
@@ -21,7 +21,7 @@ import re
 import shutil
 
 from outcore.offload.scratch_dir import DirectoryLock
-from outcore.runtime.written_files import nearest_existing
+from outcore.runtime.formats.written_files import nearest_existing
 
 log = logging.getLogger(__name__)
 

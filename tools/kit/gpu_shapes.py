@@ -14,7 +14,7 @@ trained a few steps, in a process of its own so that its peak host RSS is its ow
 Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
 prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
 
-    python -m outcore.tools.gpu_shapes ROW SPEC_JSON   (one row, in this process; the kit runs it)
+    python -m outcore.tools.kit.gpu_shapes ROW SPEC_JSON   (one row, in this process; the kit runs it)
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def deepspeed_note() -> str:
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any failure to import is the answer
         return f"not run: deepspeed does not import here ({type(e).__name__}: {e})"
-    return "not run: the kit's DeepSpeed run (tools/bench_peers.py) trains outcore's GPT presets only"
+    return "not run: the kit's DeepSpeed run (tools/kit/bench_peers.py) trains outcore's GPT presets only"
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """Soak: many tiny training steps with NVMe offload, and whether memory or disk grows with them.
 
-    python -m outcore.tools.soak --steps 10000 [--preset tiny] [--seq 32] [--batch 2]
+    python -m outcore.tools.kit.soak --steps 10000 [--preset tiny] [--seq 32] [--batch 2]
                                  [--offload nvme] [--host-budget 8M] [--samples 200]
                                  [--nvme-dir DIR] [--json PATH]
 
@@ -117,7 +117,7 @@ def _run(engine: runtime.Engine, gpt: GPTConfig, *, steps: int, seq: int, batch:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m outcore.tools.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m outcore.tools.kit.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=positive_int, default=10000)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seq", type=positive_int, default=32)

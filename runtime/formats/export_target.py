@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from outcore.offload import StorageError
-from outcore.runtime.written_files import link_tree, nearest_existing, replace_whole, unique_name
+from outcore.runtime.formats.written_files import link_tree, nearest_existing, replace_whole, unique_name
 
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """The files of a Hugging Face directory's weights, as ShardedSafetensorsWriter names them."""
@@ -36,7 +36,7 @@ def is_one_file(out: str) -> bool:
 def check_export_path(out: str, protected: Iterable[str] = ()) -> None:
     """Refuse, before anything is read or written, an `out` the export cannot become, or one that
     would replace or sit among `protected` files (the weights a run reads or its checkpoints refer
-    to, runtime/base_files.py): an export into a base's directory would replace its weights."""
+    to, runtime/checkpoint/base_files.py): an export into a base's directory would replace its weights."""
     out = os.path.normpath(out)
     where = os.path.realpath(out)
     for path in protected:

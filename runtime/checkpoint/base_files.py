@@ -7,7 +7,7 @@ from other weights is then refused, naming both directories, where the bytes dif
 parameters in the checkpoint (or read from the recorded files) would otherwise silently stand in
 for the ones the user named. Where the bytes match but the directory moved, the resume reads the
 frozen units the checkpoint refers to from the new place. An export never writes where these
-files lie (runtime/export_target.py `protected`).
+files lie (runtime/formats/export_target.py `protected`).
 """
 
 from __future__ import annotations
