@@ -95,7 +95,8 @@ def predicted_step(args: argparse.Namespace, model: SizedModel, recommended: Ver
     device_budget, host_budget = plan.budgets(args.device_budget, args.host_budget, psutil.virtual_memory().available)
     checkpointing = bool(args.checkpoint_activations or model.hf or (dims and dims[0] >= 24))  # as train defaults
     shape = se.shape_of(units, frozen, plan, policy, tokens=args.batch * seq, device_budget=device_budget,
-                        host_budget=host_budget, checkpointing=checkpointing, vertical=args.vertical)
+                        host_budget=host_budget, checkpointing=checkpointing, vertical=args.vertical,
+                        in_place_share=se.in_place_share(units, layout))
     flops = args.flops or se.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
                                            d_model=dims[1] if dims else 2048)
     frozen_share = sum(frozen) / max(1, len(units))
@@ -117,7 +118,9 @@ def predicted_step(args: argparse.Namespace, model: SizedModel, recommended: Ver
                      host_device=None if args.device == "cpu" else (args.host_device_rate or 25e9),
                      peak_flops=args.peak_flops or flops,
                      checksum=se.measure_checksum() if args.device == "cpu" and not args.no_checksum else None,
-                     overhead=overhead, micro_batch=micro_batch)
+                     overhead=overhead, micro_batch=micro_batch,
+                     in_place_read=se.measure_in_place_read(args.nvme_dir) if args.device == "cpu"
+                     and shape.in_place_share and shape.params_on_nvme else None)
     step = se.predict_step(shape, rates, k)
     least = se.compute_bound_accumulation(shape, rates)
     mfu = step.mfu(rates.peak_flops)

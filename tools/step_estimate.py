@@ -8,7 +8,11 @@ cannot cache them, optimizer states streamed once a step), host-device copies on
 CPU's AdamW over the offloaded states (on a CPU-only machine with the checksums of every byte the
 swap file moves, which take the same cores). Updates that run beside backward (no clipping, or
 speculative clipping) overlap compute, so the step is the longest of the four; updates that wait
-for the norm come after it. On a CPU-only machine compute and updates take turns on the same cores.
+for the norm come after it. On a CPU-only machine compute and updates take turns on the same
+cores, and so do the reads of a frozen base in its own weights files, which pass through the page
+cache (`measure_in_place_read`): their time adds to the step's, where the swap file's direct I/O
+hides under compute. Fixed costs a step (Python, the hooks, the I/O's requests) are measured on an
+engine as deep, and added.
 
 The bytes come from the model's sizes and the memory plan's figures; the rates are the machine's,
 given or measured on the spot (`measure_rates`). Every number here is arithmetic on those two: the
@@ -44,6 +48,9 @@ class Rates:
     # seconds a step costs beyond its work: Python, the hooks' gathers and releases of every unit, the
     # I/O's requests, the loss and the optimizer's bookkeeping (`measure_overhead`)
     overhead: float = 0.0
+    # bytes/s a frozen base is read from its weights files through the page cache, on a CPU-only
+    # machine the cores' time (`measure_in_place_read`); None: counted as the disk's reads
+    in_place_read: float | None = None
     # seconds a micro-batch's forward and backward take on the model's own shape (`measure_compute`);
     # None: its FLOPs at `flops`
     micro_batch: float | None = None
@@ -72,6 +79,7 @@ class StepShape:
     updates_overlap: bool = True  # updates run beside backward (no clipping, or speculative clipping)
     checkpointing: bool = False
     vertical: bool = False  # one train_batch a step: parameters gathered once for all micro-batches
+    in_place_share: float = 0.0  # of the parameter bytes read, the share from the weights files (a frozen base)
     grad_bytes: int = 0  # this rank's fp32 gradient shards (what an accumulation window sums)
 
 
@@ -128,10 +136,9 @@ def step_bytes(shape: StepShape, accumulate: int = 1) -> tuple[int, int, int]:
     down to the CPU's optimizer in every micro-step."""
     micro = 1 if shape.vertical else accumulate
     passes = 2 * micro
-    read = written = 0
+    read, written = parameter_reads(shape, accumulate), 0
     if shape.params_on_nvme:
         uncached = max(0, shape.param_bytes - shape.cache_bytes)
-        read += micro * max(uncached, 2 * uncached - shape.cache_bytes)
         written += uncached * shape.trained // max(1, shape.params)
     if shape.states_on_nvme:
         streamed = max(0, shape.state_bytes - shape.states_in_host)
@@ -152,17 +159,31 @@ def step_bytes(shape: StepShape, accumulate: int = 1) -> tuple[int, int, int]:
     return read, written, bus
 
 
+def parameter_reads(shape: StepShape, accumulate: int = 1) -> int:
+    """Bytes of parameter shards a step reads from NVMe (or the weights files): those the budgets
+    cannot cache, in forward and backward of each micro-step, less what backward finds still cached
+    from the end of forward."""
+    if not shape.params_on_nvme:
+        return 0
+    uncached = max(0, shape.param_bytes - shape.cache_bytes)
+    return (1 if shape.vertical else accumulate) * max(uncached, 2 * uncached - shape.cache_bytes)
+
+
 def predict_step(shape: StepShape, rates: Rates, accumulate: int = 1) -> StepTime:
     """The step's time split and its bound at `accumulate` micro-batches a step."""
     flops = step_flops(shape, accumulate)
     read, written, bus = step_bytes(shape, accumulate)
+    in_place = int(shape.in_place_share * parameter_reads(shape, accumulate))
     compute = flops / rates.flops if rates.micro_batch is None else rates.micro_batch * accumulate
     nvme = read / rates.disk_read + written / rates.disk_write
     host_device = 0.0 if rates.host_device is None else bus / rates.host_device
     optimizer = shape.trained / rates.adam if shape.optimizer_offloaded or rates.cpu_only else 0.0
-    if rates.cpu_only:  # the same cores compute, update and checksum, whenever the updates run
+    if rates.cpu_only:  # the same cores compute, update, checksum and read the base in place
         if rates.checksum:
-            optimizer += (read + written) / rates.checksum
+            optimizer += (read - in_place + written) / rates.checksum
+        if rates.in_place_read:
+            optimizer += in_place / rates.in_place_read
+            nvme -= in_place / rates.disk_read
         step = max(compute + optimizer, nvme)
         bound = "nvme" if nvme > compute + optimizer else ("compute" if compute >= optimizer else "optimizer")
     elif shape.updates_overlap:
@@ -202,7 +223,7 @@ def compute_bound_accumulation(shape: StepShape, rates: Rates, limit: int = MAX_
 
 def shape_of(unit_numels: list[int], frozen: list[bool], plan: MemoryPlan, policy: StatePolicy, *, tokens: int,
              device_budget: int, host_budget: int, checkpointing: bool = False,
-             vertical: bool = False) -> StepShape:
+             vertical: bool = False, in_place_share: float = 0.0) -> StepShape:
     """The step of these units (parameters per unit, whole model) under `policy`, as `plan` lays it
     out under the given budgets. The parameter cache is what the budgets leave beside the plan's
     other bytes: on a CPU both tiers are RAM and cache shards alike."""
@@ -226,7 +247,8 @@ def shape_of(unit_numels: list[int], frozen: list[bool], plan: MemoryPlan, polic
                      and policy.device_type != "cpu", optimizer_offloaded=policy.offload_optimizer != "none",
                      cache_bytes=cache, states_in_host=kept,
                      updates_overlap=policy.overlapped or policy.speculates, checkpointing=checkpointing,
-                     vertical=vertical, grad_bytes=4 * (trained // world if sharded else trained))
+                     vertical=vertical, in_place_share=in_place_share,
+                     grad_bytes=4 * (trained // world if sharded else trained))
 
 
 def plan_shape(units: list[int], layout: dict, policy: StatePolicy, *, tokens: int, device_budget: int | None,
@@ -244,7 +266,16 @@ def plan_shape(units: list[int], layout: dict, policy: StatePolicy, *, tokens: i
                        frozen_in_files=bool(layout.get("frozen_in_files")))
     device, host = plan.budgets(device_budget, host_budget, available)
     return (shape_of(units, frozen, plan, policy, tokens=tokens, device_budget=device, host_budget=host,
-                     checkpointing=checkpointing, vertical=vertical), device, host)
+                     checkpointing=checkpointing, vertical=vertical,
+                     in_place_share=in_place_share(units, layout)), device, host)
+
+
+def in_place_share(units: list[int], layout: dict) -> float:
+    """The share of the parameters a frozen base holds where it is read from its weights files."""
+    if not layout.get("frozen_in_files") or layout.get("stored"):
+        return 0.0
+    frozen = layout.get("frozen") or [False] * len(units)
+    return sum(n for n, f in zip(units, frozen, strict=True) if f) / max(1, sum(units))
 
 
 # -- rates measured on the spot --------------------------------------------------------------------
@@ -370,6 +401,32 @@ def _engine_step_seconds(units: int, policy: StatePolicy, nvme_dir: str, width: 
         finally:
             engine.close()
     return statistics.median(times[1:]), trained
+
+
+def measure_in_place_read(directory: str, size: int = 256 << 20) -> float:
+    """Bytes/s a file is read as a frozen base is read in place: `preadv` through the page cache in
+    pieces of 8 MiB, the pages dropped after (offload/file_source.py), from a file of `size` bytes
+    written under `directory` (removed after) and dropped from the cache first."""
+    import tempfile
+
+    import numpy as np
+
+    piece = 8 << 20
+    buf = np.empty(piece, dtype=np.uint8)
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".outcore-read-") as f:
+        block = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8).tobytes()
+        for _ in range(size // piece):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        fd = f.fileno()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for offset in range(0, size, piece):
+            os.preadv(fd, [memoryview(buf)], offset)
+            os.posix_fadvise(fd, offset, piece, os.POSIX_FADV_DONTNEED)
+        return size / (time.perf_counter() - t0)
 
 
 def measure_adam(params: int = 1 << 23, repeats: int = 3) -> float:

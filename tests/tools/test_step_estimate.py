@@ -107,6 +107,16 @@ def test_on_a_cpu_compute_and_updates_share_the_cores():
     assert t.step == pytest.approx(16.0) and t.bound == "nvme"
 
 
+def test_on_a_cpu_a_base_read_in_place_takes_the_cores_too():
+    """Its reads pass through the page cache, which the cores do; the swap file's direct reads do not."""
+    base = dataclass_replace(shape(params_on_nvme=True), in_place_share=1.0)
+    read = step_bytes(base)[0]
+    assert read > 0
+    cpu = Rates(disk_read=GB, disk_write=GB, flops=60_000, adam=2000, in_place_read=4000)
+    t = predict_step(base, cpu)
+    assert t.optimizer == pytest.approx(0.5 + read / 4000) and t.nvme == pytest.approx(step_bytes(base)[1] / GB)
+
+
 def test_bytes_that_grow_with_every_micro_step_never_hide():
     s = shape(params_on_nvme=True, cache_bytes=0)  # 8000 bytes read a micro-step, at 1 KB/s: 8 s
     rates = Rates(disk_read=1000, disk_write=1e12, flops=60_000, adam=1e12, host_device=GB)
