@@ -18,13 +18,10 @@ Every asynchronous call returns a `Handle` (handle.py). This file is the API.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from outcore.offload.buffer_pool import HostBufferPool
 from outcore.offload.buffers import Buffer, HostBuffer
 from outcore.offload.errors import StorageError
 from outcore.offload.exit_close import close_at_exit, forget
@@ -317,31 +314,7 @@ class TieredStore:
 
     def stats(self) -> dict:
         """Bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
-        state = self.state
-        with state.cond:
-            resident: Counter[str] = Counter()
-            for rec in state.records.values():
-                if rec.tier is not None and rec.tier != Tier.NVME:
-                    resident[rec.tier.name.lower()] += rec.nbytes
-            out: dict[str, Any] = {
-                "device": {"budget": state.dev.budget, "in_use": state.dev.in_use, "cached": state.dev.cached,
-                           "peak": state.dev.peak, "resident": resident["device"]},
-                "host": {"budget": state.host.budget, "in_use": state.host.in_use, "cached": state.host.cached,
-                         "peak": state.host.peak, "resident": resident["host"]},
-                "nvme": {"bytes": state.swap.used, "file_bytes": state.swap.capacity, "direct": state.swap.direct},
-                # CPU-only: the memory both tiers are cut from (offload/host_arena.py)
-                "arena": state.host.arena.stats() if isinstance(state.host, HostBufferPool) else None,
-                "keys": len(state.records),
-                "writes_pending": len(state.writes),
-                "writes_failed": state.counts["writes_failed"],
-            }
-            counts = dict(state.counts)
-        out.update(state.engine.counters.snapshot())
-        for name in ("fetches", "hits", "misses", "prefetch_issued", "prefetch_hits", "prefetch_late",
-                     "prefetch_dropped", "evictions", "writebacks"):
-            out[name] = counts.get(name, 0)
-        out["prefetch_misses"] = out["misses"]
-        return out
+        return self.state.stats()
 
     def ram_tier_of(self, key: str) -> Tier | None:
         """On a CPU-only store, the memory tier `key` rests in now; None on NVMe, while it moves, or

@@ -14,6 +14,7 @@ import itertools
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -177,3 +178,30 @@ class StoreState:
     def check_open(self) -> None:
         if self.closed:
             raise StorageError("the store is closed.")
+
+    def stats(self) -> dict:
+        """`TieredStore.stats()`: bytes per tier, I/O totals and seconds, fetch and prefetch counts."""
+        with self.cond:
+            resident: Counter[str] = Counter()
+            for rec in self.records.values():
+                if rec.tier is not None and rec.tier != Tier.NVME:
+                    resident[rec.tier.name.lower()] += rec.nbytes
+            out: dict[str, Any] = {
+                "device": {"budget": self.dev.budget, "in_use": self.dev.in_use, "cached": self.dev.cached,
+                           "peak": self.dev.peak, "resident": resident["device"]},
+                "host": {"budget": self.host.budget, "in_use": self.host.in_use, "cached": self.host.cached,
+                         "peak": self.host.peak, "resident": resident["host"]},
+                "nvme": {"bytes": self.swap.used, "file_bytes": self.swap.capacity, "direct": self.swap.direct},
+                # CPU-only: the memory both tiers are cut from (offload/host_arena.py)
+                "arena": self.host.arena.stats() if isinstance(self.host, HostBufferPool) else None,
+                "keys": len(self.records),
+                "writes_pending": len(self.writes),
+                "writes_failed": self.counts["writes_failed"],
+            }
+            counts = dict(self.counts)
+        out.update(self.engine.counters.snapshot())
+        for name in ("fetches", "hits", "misses", "prefetch_issued", "prefetch_hits", "prefetch_late",
+                     "prefetch_dropped", "evictions", "writebacks"):
+            out[name] = counts.get(name, 0)
+        out["prefetch_misses"] = out["misses"]
+        return out

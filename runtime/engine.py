@@ -1,23 +1,18 @@
 """`outcore.Engine`: trains an ordinary nn.Module with ZeRO-sharded states paged through the store.
 
-This file composes the parts and runs the public loop; the start (runtime/engine_start.py), the
-gradient path (runtime/gradient_path.py) and the update stream (runtime/update_stream.py) are
-their own modules.
-
-The composition, in order: plan units → lay out flat shards → size the store → materialize and
-shard each unit → wire hooks. A training step is then the model's forward, `backward`, `step`:
+This file composes the parts and holds the public API; each part is a module of its own: the start
+(runtime/engine_start.py), a micro-step's passes and the hooks' target (runtime/unit_lifecycle.py),
+a train_batch's turns (runtime/vertical.py), the gradient path (runtime/gradient_path.py) and the
+update stream (runtime/update_stream.py).
 
 forward   each unit is gathered in its pre-hook (prefetched from the recorded order) and, under
           ZeRO-3, released in its post-hook;
-backward  a unit is gathered again when the gradient of its output arrives; when its own flat
-          gradient is complete it is reduced to this rank's fp32 shard and released;
-step      the global grad norm (clipping) and fp16 overflow are reduced across ranks, then each
-          unit's optimizer states stream through the work tier: read → fused AdamW → write back
-          (in fp32 the parameter shard is the master and is updated in place).
-          With no clipping and no fp16, each unit's update already started during backward, on
-          the optimizer thread, as soon as its gradient was final. Either way `step()` does not
-          wait for the streamed updates: the next forward waits for each unit's own update
-          before gathering it, so the update stream hides behind the next forward.
+backward  a unit is gathered again when the gradient of its output arrives; when its flat gradient
+          is complete it is reduced to this rank's fp32 shard and released;
+step      the global grad norm and fp16 overflow are reduced across ranks, then each unit's states
+          stream through the work tier: read, fused AdamW, write back. Without clipping or fp16 a
+          unit's update starts during backward, as soon as its gradient is final. `step()` does not
+          wait for the stream: the next forward waits for each unit's own update before gathering it.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ from outcore.runtime.config import Config
 from outcore.runtime.engine_start import check_arguments, check_pretrained, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout
 from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.hooks import refuse_a_second_backward, register_hooks
+from outcore.runtime.hooks import register_hooks
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import LearningRate, Schedule, SchedulerFactory
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory
@@ -56,18 +51,10 @@ from outcore.runtime.random_draws import RandomDraws
 from outcore.runtime.saved_activations import SavedActivations
 from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
-from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
+from outcore.runtime.unit_lifecycle import UnitLifecycle
 from outcore.runtime.units import plan_units
 from outcore.runtime.update_stream import UpdateStream
-from outcore.runtime.vertical import (
-    VerticalBatch,
-    batch_loss,
-    call_model,
-    checkpointed,
-    micro_batch_count,
-    uncompiled,
-    views_gathered_unit,
-)
+from outcore.runtime.vertical import VerticalBatch, micro_batch_count, views_gathered_unit
 
 log = logging.getLogger(__name__)
 
@@ -196,47 +183,14 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
-        self.lifecycle.phase.begin_forward()
-        failed = False
-        runs_before = dict(self.gradients.backward_pass.runs)
-        try:
-            output = self.model(*args, **kwargs)
-            if torch.is_grad_enabled():
-                if not self.policy.resident or self.policy.overlapped:
-                    refuse_a_second_backward(output)
-                self.lifecycle.watch.arm(output)  # after: a second backward refused there never starts a pass
-            return output
-        except BaseException:
-            # A forward that raised (a bad batch, an out-of-memory, Ctrl-C) will see no backward, no
-            # more than one under no_grad: below, the units it gathered are let go and its
-            # half-recorded order dropped, so that a save, an export or the next step finds the engine
-            # as before it (SPEC: a failed micro-step).
-            failed = True
-            raise
-        finally:
-            self.lifecycle.phase.end()
-            if failed or not torch.is_grad_enabled():  # no backward will come to release the units
-                self.lifecycle.reshard_all()
-                self.trace.discard_step()
-            if failed:
-                self.gradients.forward_failed(runs_before)
+        return self.lifecycle.forward(self.model, args, kwargs)
 
     @_engine_call
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; gradients land, reduced, in their shards. A plain
         `loss.backward()` does the same, but in fp16, where only this scales the loss."""
         self.updates.check()
-        self.lifecycle.refuse_a_full_window()
-        self.lifecycle.phase.begin_backward()
-        try:
-            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-        except BaseException as error:
-            self.lifecycle.abandon_micro_step(error)
-            raise
-        finally:
-            self.lifecycle.phase.end()
-        self.lifecycle.watch.forget()
-        self.lifecycle.end_micro_step()
+        self.lifecycle.backward(loss)
 
     @_engine_call
     def train_batch(self, micro_batches: Sequence[Any],
@@ -254,45 +208,25 @@ class Engine:
         if self.gradients.micro:
             raise ValueError("train_batch was called inside an accumulation window of backward() calls; "
                              "finish it with step() first.")
+        if compute_loss is not None and loss_fn is not None:
+            raise ValueError("train_batch: give loss_fn (the model's output to a loss) or compute_loss (a micro-batch "
+                             "to a loss, calling the model itself), not both.")
         pages = ({self.config.offload_params, self.config.offload_optimizer} != {"none"}
                  or self.config.host_budget is not None)
         saved = SavedActivations(self.store, self.place.work_tier, functools.partial(views_gathered_unit, self.units),
                                  host_budget=self.store.stats()["host"]["budget"] if pages else None)
 
-        if compute_loss is not None and loss_fn is not None:
-            raise ValueError("train_batch: give loss_fn (the model's output to a loss) or compute_loss (a micro-batch "
-                             "to a loss, calling the model itself), not both.")
-
-        def forward(index: int) -> torch.Tensor:
-            if compute_loss is not None:
-                return batch_loss(compute_loss(micro_batches[index]), micro_batches[index], None)
-            output = call_model(self.model, micro_batches[index])
-            return batch_loss(output, micro_batches[index], loss_fn)
-
-        batch = self.lifecycle.schedule = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
-        self.gradients.begin_batch(count)
         # once each: a module with frozen parameters is two units (the trainable and its frozen sibling)
         blocks = list({id(u.plan.module): u.plan.module for u in self.units
                        if u.plan.module is not self.model}.values())
+        batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
         try:
-            with checkpointed(blocks, self.model), torch.enable_grad(), uncompiled(self.model):
-                self.lifecycle.phase.begin_forward()
-                with saved.hooks(), self._random_draws.watch(count):
-                    losses = batch.turns.run(forward)
-                self.lifecycle.phase.begin_backward()
-                total = torch.stack([loss.reshape(()) for loss in losses]).sum()
-                (total * self.scaler.scale if self.scaler.enabled else total).backward()
-        except BaseException as error:
-            self.lifecycle.abandon_micro_step(error, "a train_batch")
-            raise
+            losses = batch.run(micro_batches, loss_fn, compute_loss, lifecycle=self.lifecycle, gradients=self.gradients,
+                               model=self.model, blocks=blocks, saved=saved, random_draws=self._random_draws,
+                               scaler=self.scaler)
         finally:
-            self.lifecycle.phase.end()
-            self.lifecycle.schedule = OneMicroBatch()
             self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme,
                                  "bytes_kept": saved.bytes_kept}
-            saved.clear()
-            self.lifecycle.reshard_all()
-        self.lifecycle.end_micro_step()
         stats = self.step()
         stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from outcore.offload import Tier, TieredStore
 from outcore.runtime.backward_watch import BackwardWatch
@@ -30,6 +31,7 @@ from outcore.runtime.checkpoint.sharded_model import ShardedModel
 from outcore.runtime.collectives import Group, give_up_group
 from outcore.runtime.flat_unit import FlatUnit, UnitState
 from outcore.runtime.gradient_path import GradientPath, Undone
+from outcore.runtime.hooks import refuse_a_second_backward
 from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.lr_schedule import Schedule
 from outcore.runtime.policy import Placement, StatePolicy
@@ -123,6 +125,49 @@ class UnitLifecycle:
         self.watch = BackwardWatch()  # whether a plain backward finished or raised
         self.device_ahead = policy.device_window  # units of the prefetch window asked onto DEVICE
         self.gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
+
+    # -- a micro-step's passes -------------------------------------------------------------------
+
+    def forward(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The model's forward, its units gathered and let go by the hooks. One that raised (a bad
+        batch, an out-of-memory, Ctrl-C) will see no backward, no more than one under no_grad: the
+        units it gathered are let go and its half-recorded order dropped, so that a save, an export
+        or the next step finds the engine as before it (SPEC: a failed micro-step)."""
+        self.phase.begin_forward()
+        failed = False
+        runs_before = dict(self.gradients.backward_pass.runs)
+        try:
+            output = model(*args, **kwargs)
+            if torch.is_grad_enabled():
+                if not self.policy.resident or self.policy.overlapped:
+                    refuse_a_second_backward(output)
+                self.watch.arm(output)  # after: a second backward refused there never starts a pass
+            return output
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self.phase.end()
+            if failed or not torch.is_grad_enabled():  # no backward will come to release the units
+                self.reshard_all()
+                self.trace.discard_step()
+            if failed:
+                self.gradients.forward_failed(runs_before)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward (its loss scaled in fp16), then the micro-step's end; one that
+        raised is abandoned ([Note: a failed micro-step])."""
+        self.refuse_a_full_window()
+        self.phase.begin_backward()
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except BaseException as error:
+            self.abandon_micro_step(error)
+            raise
+        finally:
+            self.phase.end()
+        self.watch.forget()
+        self.end_micro_step()
 
     # -- the hooks' calls ------------------------------------------------------------------------
 

@@ -39,6 +39,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from outcore.runtime.flat_unit import FlatUnit
+from outcore.runtime.gradient_path import GradientPath
+from outcore.runtime.loss_scale import LossScaler
+from outcore.runtime.random_draws import RandomDraws
+from outcore.runtime.saved_activations import SavedActivations
+from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +104,42 @@ class VerticalBatch:
         self._ends: dict[tuple[str, int], int] = {}
         # Without shared views: each micro-batch's own views of each unit, by micro-batch and unit.
         self._views: list[dict[int, tuple[FlatUnit, list[torch.Tensor]]]] = [{} for _ in range(count)]
+
+    def run(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+            compute_loss: Callable[[Any], torch.Tensor] | None, *, lifecycle: UnitLifecycle,
+            gradients: GradientPath, model: nn.Module, blocks: Sequence[nn.Module], saved: SavedActivations,
+            random_draws: RandomDraws, scaler: LossScaler) -> list[torch.Tensor]:
+        """The batch (as `Engine.train_batch` takes it): each micro-batch's forward and loss turn by
+        turn, its activations paged by `saved`, then one backward over the sum of the losses, the
+        lifecycle on this schedule meanwhile; returns the K losses with the micro-step ended. A
+        failure abandons the micro-step and is raised; the units are resharded and the paged
+        activations dropped either way."""
+
+        def forward(index: int) -> torch.Tensor:
+            if compute_loss is not None:
+                return batch_loss(compute_loss(micro_batches[index]), micro_batches[index], None)
+            return batch_loss(call_model(model, micro_batches[index]), micro_batches[index], loss_fn)
+
+        lifecycle.schedule = self
+        gradients.begin_batch(self.count)
+        try:
+            with checkpointed(blocks, model), torch.enable_grad(), uncompiled(model):
+                lifecycle.phase.begin_forward()
+                with saved.hooks(), random_draws.watch(self.count):
+                    losses = self.turns.run(forward)
+                lifecycle.phase.begin_backward()
+                total = torch.stack([loss.reshape(()) for loss in losses]).sum()
+                (total * scaler.scale if scaler.enabled else total).backward()
+        except BaseException as error:
+            lifecycle.abandon_micro_step(error, "a train_batch")
+            raise
+        finally:
+            lifecycle.phase.end()
+            lifecycle.schedule = OneMicroBatch()
+            saved.clear()
+            lifecycle.reshard_all()
+        lifecycle.end_micro_step()
+        return losses
 
     def keep_views(self, unit: FlatUnit, views: list[torch.Tensor]) -> None:
         """`views` are the running micro-batch's views of `unit`."""

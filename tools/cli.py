@@ -167,7 +167,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.dtype is None:  # as `outcore train` picks it
         import torch
 
-        from outcore.tools.train import native_bf16
+        from outcore.tools.train_config import native_bf16
 
         native = native_bf16(torch.device(args.device)) if args.device == "cpu" or torch.cuda.is_available() else True
         args.dtype = "bf16" if native else "fp32"
@@ -243,7 +243,7 @@ def _tune(args: argparse.Namespace) -> int:
     from outcore import runtime
     from outcore.runtime.config_text import config_format
     from outcore.tools.model_source import resolve_model
-    from outcore.tools.train import scratch_nvme_dir
+    from outcore.tools.train_config import scratch_nvme_dir
 
     _writable(args.out, "--out", folder=False)  # checked before a sweep that may take hours
     try:

@@ -13,6 +13,7 @@ import psutil
 from outcore.runtime.memory_plan import plan_memory, unit_shapes
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.sizes import human_bytes
+from outcore.tools import machine_rates
 from outcore.tools import step_estimate as se
 from outcore.tools.activations import Shape, activation_rows
 from outcore.tools.estimate_model import SizedModel
@@ -97,30 +98,33 @@ def predicted_step(args: argparse.Namespace, model: SizedModel, recommended: Ver
     shape = se.shape_of(units, frozen, plan, policy, tokens=args.batch * seq, device_budget=device_budget,
                         host_budget=host_budget, checkpointing=checkpointing, vertical=args.vertical,
                         in_place_share=se.in_place_share(units, layout))
-    flops = args.flops or se.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
-                                           d_model=dims[1] if dims else 2048)
+    flops = args.flops or machine_rates.measure_flops(args.device, args.dtype, tokens=args.batch * seq,
+                                                      d_model=dims[1] if dims else 2048)
     frozen_share = sum(frozen) / max(1, len(units))
     micro_batch = None
     if dims is not None and not args.flops:  # the model's own shape, in plain PyTorch
-        micro_batch = se.measure_compute(args.device, args.dtype, layers=dims[0], d_model=dims[1], vocab=dims[2],
-                                         seq=seq, batch=args.batch, checkpointing=checkpointing,
-                                         frozen=frozen_share > 0.5)
-    overhead, update_rate = (args.overhead, None) if args.overhead is not None else se.measure_engine_costs(
-        len(units), policy, args.nvme_dir, frozen_share=frozen_share)
+        micro_batch = machine_rates.measure_compute(args.device, args.dtype, layers=dims[0], d_model=dims[1],
+                                                    vocab=dims[2], seq=seq, batch=args.batch,
+                                                    checkpointing=checkpointing, frozen=frozen_share > 0.5)
+    overhead, update_rate = ((args.overhead, None) if args.overhead is not None else
+                             machine_rates.measure_engine_costs(len(units), policy, args.nvme_dir,
+                                                                frozen_share=frozen_share))
     if args.disk:
         with open(args.disk) as f:
-            read, write = se.disk_rates(json.load(f))
+            read, write = machine_rates.disk_rates(json.load(f))
     else:
         print(f"measuring the disk in {args.nvme_dir!r} (give --disk bench.json to skip) ...", flush=True)
-        read, write = se.measure_disk(args.nvme_dir)
+        read, write = machine_rates.measure_disk(args.nvme_dir)
     rates = se.Rates(disk_read=read, disk_write=write, flops=flops,
-                     adam=args.adam_rate or update_rate or se.measure_adam(),
+                     adam=args.adam_rate or update_rate or machine_rates.measure_adam(),
                      host_device=None if args.device == "cpu" else (args.host_device_rate or 25e9),
                      peak_flops=args.peak_flops or flops,
-                     checksum=se.measure_checksum() if args.device == "cpu" and not args.no_checksum else None,
+                     checksum=(machine_rates.measure_checksum() if args.device == "cpu" and not args.no_checksum
+                               else None),
                      overhead=overhead, micro_batch=micro_batch,
-                     in_place_read=se.measure_in_place_read(args.nvme_dir) if args.device == "cpu"
-                     and shape.in_place_share and shape.params_on_nvme else None)
+                     in_place_read=(machine_rates.measure_in_place_read(args.nvme_dir)
+                                    if args.device == "cpu" and shape.in_place_share and shape.params_on_nvme
+                                    else None))
     step = se.predict_step(shape, rates, k)
     least = se.compute_bound_accumulation(shape, rates)
     mfu = step.mfu(rates.peak_flops)

@@ -21,6 +21,7 @@ from outcore import runtime
 from outcore.runtime.memory_plan import MemoryPlan, plan_memory, unit_shapes
 from outcore.runtime.policy import StatePolicy
 from outcore.runtime.sizes import human_bytes
+from outcore.tools import machine_rates
 from outcore.tools import step_estimate as se
 
 PREDICTION_ERROR = 0.20  # docs/benchmarks.md, "The step predicted"
@@ -48,11 +49,12 @@ class SweepPruner:
         units, layout = source_layout(source)
         seq = seq or (source.gpt.seq if source.gpt is not None else 128)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        read, write = se.measure_disk(base.nvme_dir, 64 << 20) if base.nvme_dir else (float("inf"), float("inf"))
-        flops = se.measure_flops(device_type, base.dtype, tokens=batch * seq, seconds=1.0)
+        unbounded = (float("inf"), float("inf"))
+        read, write = machine_rates.measure_disk(base.nvme_dir, 64 << 20) if base.nvme_dir else unbounded
+        flops = machine_rates.measure_flops(device_type, base.dtype, tokens=batch * seq, seconds=1.0)
         cpu = device_type == "cpu"
-        rates = se.Rates(disk_read=read, disk_write=write, flops=flops, adam=se.measure_adam(),
-                         host_device=None if cpu else 25e9, checksum=se.measure_checksum() if cpu else None)
+        rates = se.Rates(disk_read=read, disk_write=write, flops=flops, adam=machine_rates.measure_adam(),
+                         host_device=None if cpu else 25e9, checksum=machine_rates.measure_checksum() if cpu else None)
         return cls(units, layout, batch * seq, rates, device_type, psutil.virtual_memory().available)
 
     def plan(self, config: runtime.Config) -> tuple[StatePolicy, list[bool], MemoryPlan]:

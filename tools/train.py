@@ -16,8 +16,7 @@ import os
 import shlex
 import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Iterator
 
 import torch
 
@@ -25,105 +24,28 @@ from outcore import runtime
 from outcore.hf.data_mix import data_file
 from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
-from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.runtime.policy import DTYPES
 from outcore.runtime.sizes import human_bytes, human_count
 from outcore.tools.activations import activation_rows, preflight
-from outcore.tools.estimate import estimate
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
 from outcore.tools.lr_schedules import Schedule, warmup_steps
-from outcore.tools.memory_bound import MemoryBound, RunDoesNotFit, address_space_note, choose_offload
+from outcore.tools.memory_bound import RunDoesNotFit, address_space_note
 from outcore.tools.progress_lines import ProgressLines
 from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
 from outcore.tools.run_record import record
+from outcore.tools.train_config import build_config
 from outcore.tools.train_flags import check_flags
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
 from outcore.tools.train_options import TrainOptions as TrainOptions
 
 log = logging.getLogger("outcore.train")
 WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether this device computes bf16 in hardware (else it is emulated, slower than fp32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
-
-
-def build_config(opts: TrainOptions, units: list[int], device: torch.device,
-                 activations: Callable[[str], int]) -> tuple[runtime.Config, list[str], OwnedDir | None, dict]:
-    """The run's Config: the file's, overridden by flags, the rest chosen for this machine, within
-    --max-memory (tools/memory_bound.py; `activations`: a step's bytes in a compute dtype). Also
-    returns what was chosen (to print), the NVMe folder created for the run, if any, and the memory
-    arithmetic."""
-    notes = []
-    values = runtime.Config.file_values(opts.config) if opts.config else {}
-    values.update({k: v for k, v in {
-        "nvme_dir": opts.nvme_dir, "dtype": opts.dtype, "state_dtype": opts.state_dtype,
-        "host_budget": opts.host_budget,
-        "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
-        "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer,
-        "collective_timeout": opts.collective_timeout, "quantize": opts.quantize,
-        "quantize_double": opts.quantize_double or None}.items() if v is not None})
-    if not opts.config:
-        values["grad_clip"] = opts.grad_clip
-        if opts.dtype is None:
-            values["dtype"] = "bf16" if native_bf16(device) else "fp32"
-            notes.append(f"dtype {values['dtype']} ({'native' if values['dtype'] == 'bf16' else 'no native'} "
-                         f"bf16 on {device.type})")
-        if opts.offload_params is None and opts.offload_optimizer is None:
-            defaults = runtime.Config()
-            depth = values.get("prefetch_depth", defaults.prefetch_depth)
-            params, opt, why = choose_offload(units, values["dtype"], defaults.stage, values["grad_clip"], depth,
-                                              MemoryBound.now(opts.max_memory, activations(values["dtype"])))
-            values.update(offload_params=params, offload_optimizer=opt)
-            notes.append(f"offload params={params} optimizer={opt}: {why}")
-    values.update(opts.overrides)
-    owned = scratch_nvme_dir(values)
-    if owned is not None:
-        notes.append(f"NVMe tier in {owned.path} (removed at the end; --nvme-dir to choose)")
-    try:
-        config = runtime.Config.from_dict(values)
-        if opts.accumulate and config.grad_accumulation != 1:
-            raise ValueError(f"--accumulate {opts.accumulate} runs its micro-batches through one train_batch; the "
-                             f"config's grad_accumulation={config.grad_accumulation} must then be 1.")
-        bound = MemoryBound.now(opts.max_memory, activations(config.dtype))
-        plan = estimate(units, dtype=config.dtype, state_dtype=config.state_dtype, stage=config.stage,
-                        offload_params=config.offload_params, offload_optimizer=config.offload_optimizer,
-                        prefetch_depth=config.prefetch_depth, grad_clip=config.grad_clip, device=device.type)
-        device_budget, host_budget, lowered = bound.budgets(plan, config.device_budget, config.host_budget,
-                                                            device.type == "cpu", config.dtype)
-        if lowered is not None:
-            config = replace(config, host_budget=host_budget)
-            notes.append(lowered)
-        return config, notes, owned, bound.as_json(device_budget if device.type == "cpu" else 0, host_budget)
-    except ValueError:
-        if owned is not None:
-            owned.remove()
-        raise
-
-
-def scratch_nvme_dir(values: dict) -> OwnedDir | None:
-    """Config values that put something on NVMe but name no nvme_dir get a scratch folder under the
-    working directory (set as their nvme_dir); the caller removes it when the run ends."""
-    if values.get("nvme_dir") is not None or "nvme" not in (values.get("offload_params"),
-                                                             values.get("offload_optimizer")):
-        return None
-    owned = OwnedDir(".outcore-nvme-", os.getcwd())  # a killed run's one is reclaimed here
-    values["nvme_dir"] = owned.path
-    return owned
 
 
 def make_job(opts: TrainOptions) -> Job:

@@ -240,11 +240,12 @@ def shape_row(row: str, nvme_dir: str, *, peak: float, disk: dict, overlap: dict
               seq: int = 2048, steps: int = 2, timeout: float = 420) -> dict:
     """One real-shape row (tools/kit/gpu_shapes.py) in a process of its own, with the rates this kit
     measured (the compute rate on the row's own width)."""
-    from outcore.tools import step_estimate as se
+    from outcore.tools import machine_rates
 
     width = SHAPES[row].config["hidden_size"]
     rates = {"disk_read": disk["read_GBps"] * 1e9, "disk_write": disk["write_GBps"] * 1e9,
-             "flops": se.measure_flops("cuda", "bf16", tokens=batch * seq, d_model=width), "adam": se.measure_adam(),
+             "flops": machine_rates.measure_flops("cuda", "bf16", tokens=batch * seq, d_model=width),
+             "adam": machine_rates.measure_adam(),
              "host_device": (overlap or {}).get("copy_GBps", 25.0) * 1e9, "peak_flops": peak}
     spec = {"device": "cuda", "nvme_dir": nvme_dir, "rates": rates, "batch": batch, "seq": seq, "steps": steps}
     res = subprocess.run([sys.executable, "-m", "outcore.tools.kit.gpu_shapes", row, json.dumps(spec)],
