@@ -212,7 +212,8 @@ def _build(cls, data: dict[str, Any], what: str):
             try:
                 data[key] = parse(data[key])
             except ValueError as e:
-                raise ValueError(f"{what}: {key}={data[key]!r}: {e}.") from None
+                where = "" if what == "config" else f"{what}."  # as the kind checks name a key
+                raise ValueError(f"{where}{key}={data[key]!r}: {e}.") from None
     try:
         return cls(**data)
     except TypeError as e:

@@ -7,7 +7,10 @@ recorded arguments are the run's; a flag given again is checked against them:
   the dtypes, the batch's shape, the seed, the config file) is refused where its value differs,
   naming it: the checkpoint and the rows drawn from the seed belong to the recorded run;
 - any other (steps, budgets, placement, logging, evaluation, saving, the learning rate and its
-  schedule) is applied, and said.
+  schedule) is applied, and said;
+- `--model` at another path is applied and said too: a base moved elsewhere is the same base, and
+  the checkpoint's record of the base's bytes (runtime/checkpoint/base_files.py) refuses other bytes
+  as it loads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ TRAINED = ("preset", "model", "lora", "lora_alpha", "lora_targets", "lora_init",
            "data", "chat_template", "train_on_prompt", "no_packing", "eval_data", "eval_split", "dtype", "state_dtype",
            "batch", "seq", "accumulate", "seed", "config")
 NOT_RECORDED = ("resume", "tag", "json", "command", "given")  # what one invocation asks, not the run
+CHECKED_BY_BYTES = ("model",)  # a path the checkpoint verifies by content as it loads
 
 
 def flag(dest: str) -> str:
@@ -71,12 +75,13 @@ def resumed(saved: dict[str, Any], now: dict[str, Any], given: set[str],
             said.append(f"--batch {after} on {world} rank(s) (the run had {before} on each of {ranks}: the same "
                         "rows a step)")
             continue
-        if dest in TRAINED:
+        if dest in TRAINED and dest not in CHECKED_BY_BYTES:
             raise ValueError(f"--resume: {flag(dest)} {_show(after)} differs from the run's {_show(before)} "
                              f"(OUT/{RUN_FILE}); it changes what is trained, so the checkpoint is not its start. "
                              "Leave it out to go on, or start a new run with another --out.")
         merged[dest] = after
-        said.append(f"{flag(dest)} {_show(after)} (the run had {_show(before)})")
+        checked = "; the checkpoint checks that it holds the run's base" if dest in CHECKED_BY_BYTES else ""
+        said.append(f"{flag(dest)} {_show(after)} (the run had {_show(before)}){checked}")
     return merged, said
 
 

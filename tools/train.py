@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import shlex
-import signal
 import time
 from collections.abc import Iterator
 
@@ -27,8 +26,6 @@ from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
-from outcore.runtime.policy import DTYPES
-from outcore.runtime.sizes import human_bytes, human_count
 from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
@@ -43,9 +40,9 @@ from outcore.tools.train_config import build_config
 from outcore.tools.train_flags import check_flags
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
 from outcore.tools.train_options import TrainOptions as TrainOptions
+from outcore.tools.train_report import RunProgress, done_line, start_lines, summary_of
 
 log = logging.getLogger("outcore.train")
-WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
 
 
 def make_job(opts: TrainOptions) -> Job:
@@ -169,8 +166,6 @@ def train(opts: TrainOptions, *, report=print) -> dict:
 
 
 def _train(opts: TrainOptions, report) -> dict:
-    from outcore.tools.report import progress
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     limited = address_space_note()
     if limited is not None:
@@ -198,119 +193,36 @@ def _train(opts: TrainOptions, report) -> dict:
     hyper = optimizer_settings(opts, job, config)
     schedule = Schedule(opts.lr_scheduler or DEFAULT_SCHEDULE, steps,
                         warmup_steps(steps, opts.warmup_steps, opts.warmup_ratio), hyper["lr"], opts.min_lr_rate)
-    eval_every = opts.eval_every or max(1, steps // 5)
-    save_every = opts.save_every or 0
-
-    for n in notes:
-        report(f"outcore train: {n}")
-    for line in job.data_lines:
-        report(f"outcore train: data {line}")
-
+    for line in notes + [f"data {line}" for line in job.data_lines]:
+        report(f"outcore train: {line}")
     ckpt_dir = os.path.join(opts.out, "checkpoints")
-    engine = None
-    stopped: tuple[int, int] | None = None  # (the signal, the step the run stopped after)
     if job.shape is not None:  # a batch whose activations cannot fit is refused before anything starts
         preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=config.dtype, checkpointed=checkpointing,
                   budgets=memory["process"] + memory["device_budget_in_ram"] + memory["host_budget"],
                   max_memory=opts.max_memory)
+    engine = None
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
-        model = built_model(job, checkpointing)
-        hp = runtime.AdamW(**hyper)
         t_init = time.perf_counter()
-        engine = runtime.Engine(model, config, hp, seed=opts.seed, **job.engine_kw)
+        engine = runtime.Engine(built_model(job, checkpointing), config, runtime.AdamW(**hyper), seed=opts.seed,
+                                **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:
             meta = engine.load_checkpoint(ckpt_dir, opts.resume_tag)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        # weights, and for the trainable ones fp32 gradients, master and moments (bf16 states: half)
-        bf16_states = config.state_dtype == "bf16"
-        state_bytes = job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12 // (2 if bf16_states else 1))
-        trainable = "" if job.trainable == job.params else f", {human_count(job.trainable)} of them trained"
-        report(f"outcore train: {job.name}, {human_count(job.params)} parameters{trainable} "
-               f"({human_bytes(state_bytes)} of weights, gradients and Adam states), {config.dtype}, "
-               f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
-               f"batch {opts.batch} x {job.seq} {job.tokens}"
-               + (f" on each of {engine.group.world} ranks, each its own rows" if engine.group.world > 1 else ""))
-        report(f"outcore train: {schedule.describe()}, weight decay {hyper['weight_decay']:g}, betas "
-               f"{hyper['betas'][0]:g}, {hyper['betas'][1]:g}")
+        for line in start_lines(job, config, opts, engine.group.world, schedule, hyper):
+            report(f"outcore train: {line}")
         if opts.arguments is not None and engine.group.rank == 0:
             record(opts.out, {**opts.arguments, "world": engine.group.world})
-        history, val_history, grad_norms = [], [], []
-        totals = {"seconds": 0.0, "wait": 0.0, "opt": 0.0, "read": 0, "written": 0, "tokens": 0}
-        before = engine.stats()
-        accum = opts.accumulate or config.grad_accumulation
-        shard, world = (engine.group.rank, engine.group.world), engine.group.world
-        unlogged: list[float] = []  # losses since the last row of the log: what the lines' `loss` is the mean of
-        lines = ProgressLines(start, steps, opts.log_every)
         log = RunLog(opts.out, report_to=opts.report_to, enabled=engine.group.rank == 0, resume=opts.resume,
                      config={"model": job.name, "steps": steps, "batch": opts.batch, "seq": job.seq})
-        with step_boundaries(), progress(steps - start, "train") as bar:
-            for step in range(start, steps):
-                engine.lr = schedule.rate(step)
-                t0 = time.perf_counter()
-                result, loss_sum = one_step(engine, job, step, accum, vertical=bool(opts.accumulate), shard=shard,
-                                            device=device)
-                grad_norms.append(result["grad_norm"])
-                evaluating = (step + 1) % eval_every == 0 or step + 1 == steps
-                saving = save_every > 0 and (step + 1) % save_every == 0 and step + 1 != steps
-                if evaluating or saving:
-                    # step() returns before its streamed updates land and the next forward waits for
-                    # them; what comes next is not a training step, so this step's time includes them.
-                    engine.synchronize()
-                dt = time.perf_counter() - t0
-                now = engine.stats()
-                loss_value = mean_over_ranks(engine, loss_sum / accum)
-                if not math.isfinite(loss_value) and config.dtype != "fp16":  # fp16 scaling skips such steps
-                    raise FloatingPointError(f"the loss is {loss_value} at step {step + 1}: training diverged; "
-                                             "lower --lr, keep --grad-clip, or resume from an earlier checkpoint.")
-                history.append(loss_value)
-                totals["seconds"] += dt
-                totals["wait"] += now["unit_wait_seconds"] - before["unit_wait_seconds"]
-                totals["opt"] += now["optimizer_seconds"] - before["optimizer_seconds"]
-                totals["read"] += now["bytes_read"] - before["bytes_read"]
-                totals["written"] += now["bytes_written"] - before["bytes_written"]
-                before = now
-                step_tokens = opts.batch * job.seq * accum * world
-                totals["tokens"] += step_tokens
-                unlogged.append(loss_value)
-                line = (f"step {step + 1}/{steps} loss {sum(unlogged) / len(unlogged):.4f} "
-                        f"lr {result['lr']:.3g} {step_tokens / dt:,.0f} tok/s {dt:.2f} s (I/O wait "
-                        f"{totals['wait']:.1f} s) host {human_bytes(now['host']['in_use'])} "
-                        f"nvme {human_bytes(now['nvme']['bytes'])} {lines.eta(step + 1)}")
-                if result["skipped"]:
-                    line += " (step skipped: fp16 overflow)"
-                if bar is not None:
-                    bar.set_postfix_str(f"loss {loss_value:.4f}", refresh=False)
-                    bar.update(1)
-                val = None
-                if evaluating:
-                    val = evaluate(engine, job, job.held_out, opts.eval_batches, device)
-                    val_history.append((step + 1, val))
-                    line += f" | val loss {val:.4f}"
-                if evaluating or lines.due(step + 1):
-                    (bar.write if bar is not None else report)(line)
-                    lines.said()
-                if evaluating or (step + 1) % opts.log_every == 0 or step + 1 == steps:
-                    log.row(step=step + 1, loss=sum(unlogged) / len(unlogged), lr=result["lr"],
-                            grad_norm=result["grad_norm"], tokens_per_second=step_tokens / dt,
-                            tokens=totals["tokens"], io_wait_seconds=totals["wait"],
-                            bytes={"device": now["device"]["in_use"], "host": now["host"]["in_use"],
-                                   "nvme": now["nvme"]["bytes"]},
-                            **({"eval_loss": val} if val is not None else {}))
-                    unlogged.clear()
-                if saving:
-                    engine.save_checkpoint(ckpt_dir, f"step{step + 1}")
-                signum = requested_stop()  # SIGINT or SIGTERM during the step: save it, then stop
-                if signum is not None:
-                    stopped = (signum, step + 1)
-                    break
-        last = stopped[1] if stopped is not None else steps
-        if opts.save_final and last > start and not (stopped is not None and saving):
+        run, saved_last = _steps(engine, job, opts, schedule, steps, ckpt_dir, device, log, report)
+        last = run.stopped[1] if run.stopped is not None else steps
+        if opts.save_final and last > start and not saved_last:
             engine.save_checkpoint(ckpt_dir, f"step{last}")
-        exported = (job.export(engine, opts.out) if job.export is not None and opts.save_final and stopped is None
-                    else None)
+        exported = (job.export(engine, opts.out) if job.export is not None and opts.save_final
+                    and run.stopped is None else None)
         stats = engine.stats()
     finally:
         log.close()
@@ -320,35 +232,67 @@ def _train(opts: TrainOptions, report) -> dict:
         finally:
             if owned_nvme is not None:
                 owned_nvme.remove()
-
-    ran = max(1, len(history))
-    summary = {
-        "preset": job.name, "params": job.params, "trainable_params": job.trainable, "state_bytes": state_bytes,
-        "dtype": config.dtype, "exported": exported,
-        "offload_params": config.offload_params, "offload_optimizer": config.offload_optimizer,
-        "steps": steps, "start_step": start, "losses": history, "val_losses": val_history,
-        "grad_norms": grad_norms,
-        "seconds_per_step": totals["seconds"] / ran, "io_wait_seconds_per_step": totals["wait"] / ran,
-        "optimizer_seconds_per_step": totals["opt"] / ran, "bytes_read_per_step": totals["read"] / ran,
-        "bytes_written_per_step": totals["written"] / ran,
-        "tokens_per_second": totals["tokens"] / max(totals["seconds"], 1e-9), "init_seconds": init_seconds,
-        "peak_rss_bytes": peak_rss(), "checkpoints": ckpt_dir if opts.save_final else None,
-        "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
-        "memory": memory,
-        "stopped": None if stopped is None else {"signal": signal.Signals(stopped[0]).name, "after_step": stopped[1],
-                                                 "exit_code": 128 + stopped[0],
-                                                 "resume": _kept(ckpt_dir, opts.out)},
-    }
-    if stopped is not None:  # the command says it in one line, after writing the summary
-        return summary
-    losses = (f", loss {history[0]:.3f} -> {history[-1]:.3f}" if history
-              else f" (the checkpoint is at step {start}, and --steps is {steps})")
-    val_text = f", val {val_history[-1][1]:.3f}" if val_history else ""
-    written = [what for what in (f"the model in {exported}" if exported else None,
-                                 f"checkpoints in {ckpt_dir}" if opts.save_final else None) if what]
-    report(f"outcore train: done. {job.name} ({human_count(job.params)} params, {human_bytes(state_bytes)} of "
-           f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
-           f"{WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
-           f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}; "
-           + (f"wrote {' and '.join(written)}" if written else "wrote nothing (--no-save)"))
+    summary = summary_of(run, job, config, steps=steps, start=start, hyper=hyper, memory=memory, stats=stats,
+                         exported=exported, ckpt_dir=ckpt_dir if opts.save_final else None,
+                         init_seconds=init_seconds, peak_rss=peak_rss(),
+                         resume=_kept(ckpt_dir, opts.out) if run.stopped is not None else "")
+    if run.stopped is None:  # else the command says it in one line, after writing the summary
+        report(f"outcore train: {done_line(summary, job)}")
     return summary
+
+
+def _steps(engine: runtime.Engine, job: Job, opts: TrainOptions, schedule: Schedule, steps: int, ckpt_dir: str,
+           device: torch.device, log: RunLog, report) -> tuple[RunProgress, bool]:
+    """The steps from the engine's to `steps`, each said and logged (a line at least a minute apart),
+    evaluated and saved as the flags ask, until the last or a signal. Returns what they did, and
+    whether the step the run stopped after was saved already."""
+    from outcore.tools.report import progress
+
+    run = RunProgress()
+    start, accum = engine.global_step, opts.accumulate or engine.config.grad_accumulation
+    eval_every, save_every = opts.eval_every or max(1, steps // 5), opts.save_every or 0
+    step_tokens = opts.batch * job.seq * accum * engine.group.world
+    lines = ProgressLines(start, steps, opts.log_every)
+    before = engine.stats()
+    saving = False
+    with step_boundaries(), progress(steps - start, "train") as bar:
+        for step in range(start + 1, steps + 1):
+            engine.lr = schedule.rate(step - 1)
+            t0 = time.perf_counter()
+            result, loss_sum = one_step(engine, job, step - 1, accum, vertical=bool(opts.accumulate),
+                                        shard=(engine.group.rank, engine.group.world), device=device)
+            evaluating = step % eval_every == 0 or step == steps
+            saving = save_every > 0 and step % save_every == 0 and step != steps
+            if evaluating or saving:
+                # step() returns before its streamed updates land and the next forward waits for
+                # them; what comes next is not a training step, so this step's time includes them.
+                engine.synchronize()
+            dt = time.perf_counter() - t0
+            now = engine.stats()
+            loss = mean_over_ranks(engine, loss_sum / accum)
+            if not math.isfinite(loss) and engine.config.dtype != "fp16":  # fp16 scaling skips such steps
+                raise FloatingPointError(f"the loss is {loss} at step {step}: training diverged; "
+                                         "lower --lr, keep --grad-clip, or resume from an earlier checkpoint.")
+            run.add(loss, result["grad_norm"], dt, before, now, step_tokens)
+            before = now
+            line = run.step_line(step, steps, result, step_tokens, dt, now, lines.eta(step))
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+                bar.update(1)
+            val = None
+            if evaluating:
+                val = evaluate(engine, job, job.held_out, opts.eval_batches, device)
+                run.val_history.append((step, val))
+                line += f" | val loss {val:.4f}"
+            if evaluating or lines.due(step):
+                (bar.write if bar is not None else report)(line)
+                lines.said()
+            if evaluating or step % opts.log_every == 0 or step == steps:
+                run.log_row(log, step, result, step_tokens, dt, now, val)
+            if saving:
+                engine.save_checkpoint(ckpt_dir, f"step{step}")
+            signum = requested_stop()  # SIGINT or SIGTERM during the step: save it, then stop
+            if signum is not None:
+                run.stopped = (signum, step)
+                break
+    return run, run.stopped is not None and saving

@@ -18,7 +18,8 @@ from outcore.tools.gpt import GPT, PRESETS
     ({"io": "fast"}, "io='fast'"), ({"nvme_dir": 5}, "nvme_dir=5"), ({"grad_clip": float("nan")}, "grad_clip=nan"),
     ({"grad_clip": float("inf")}, "grad_clip=inf"), ({"stage": True}, "stage=True"), ({"stage": 2.7}, "stage=2.7"),
     ({"unit_classes": "Block"}, "unit_classes='Block'"), ({"io": {"threads": "4"}}, "io.threads='4'"),
-    ({"io": {"direct": 1}}, "io.direct=1"), ({"host_budget": "8G"}, "host_budget='8G'"),
+    ({"io": {"direct": 1}}, "io.direct=1"), ({"host_budget": [8]}, "host_budget=[8]"),
+    ({"host_budget": "8 gigs"}, "host_budget='8 gigs'"), ({"io": {"block_size": "big"}}, "io.block_size='big'"),
     ({"optimizer": {"lr": float("nan")}}, "optimizer.lr=nan"), ({"optimizer": {"betas": 0.9}}, "optimizer.betas"),
     ({"dtype": None}, "dtype=None"),
 ])

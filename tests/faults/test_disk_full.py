@@ -130,22 +130,22 @@ def test_a_run_whose_last_writes_fail_still_succeeds_and_writes_its_json(tmp_pat
     at the end fail. Their bytes stayed in memory and the swap file is scratch: the run ends 0 and
     its --json is written (the store no longer flushes into a file it is about to delete)."""
     from outcore.offload import io_engine
-    from outcore.tools import train as train_module
     from outcore.tools.cli import main
+    from outcore.tools.lr_schedules import Schedule
 
-    real_lr, failed = train_module.lr_at, []
+    real_rate, failed = Schedule.rate, []
 
-    def last_step_fills_the_disk(step, steps, peak):
-        if step == steps - 1:
+    def last_step_fills_the_disk(schedule, step):
+        if step == schedule.steps - 1:
             monkeypatch.setattr(io_engine, "_pwrite_full", full)
-        return real_lr(step, steps, peak)
+        return real_rate(schedule, step)
 
     def full(fd, view, offset):
         failed.append(offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train_module, "lr_at", last_step_fills_the_disk)
+    monkeypatch.setattr(Schedule, "rate", last_step_fills_the_disk)
     assert main(["train", "--steps", "4", "--batch", "1", "--seq", "16", "--eval-batches", "1", "--no-save",
                  "--offload-params", "nvme", "--offload-optimizer", "nvme", "--dtype", "fp32",
                  "--json", "run.json"]) == 0

@@ -243,7 +243,7 @@ def test_a_checkpoint_load_mends_an_engine_whose_update_failed(tmp_path):
 
 
 def test_a_load_that_fails_partway_leaves_the_engine_refusing(tmp_path, monkeypatch):
-    from outcore.runtime import checkpoint
+    from outcore.runtime.checkpoint import sharded as checkpoint
     from tests.runtime.models import TinyGPT, batches
 
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"))

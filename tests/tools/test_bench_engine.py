@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from outcore.tools import bench_engine
+from outcore.tools.kit import bench_engine
 
 
 def _step(tmp_path, budget: str) -> list[dict]:
@@ -39,7 +39,7 @@ def test_a_json_that_cannot_be_written_stops_a_benchmark_before_it_runs(tmp_path
     """Before, the rounds ran for minutes (a soak for hours) and the result was lost at the end."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").mkdir()
-    module = importlib.import_module(f"outcore.tools.{tool}")
+    module = importlib.import_module(f"outcore.tools.kit.{tool}")
     with pytest.raises(SystemExit) as e:
         module.main([*argv, "--json", "taken"])
     assert e.value.code == 2 and "--json" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 import json
 
-from outcore.tools import bench_peers
+from outcore.tools.kit import bench_peers
 
 
 def test_plain_and_outcore_side_by_side(tmp_path, capsys, monkeypatch):

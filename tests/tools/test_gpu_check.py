@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from outcore.tools import gpu_check
+from outcore.tools.kit import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")

@@ -4,7 +4,7 @@ prediction."""
 
 import pytest
 
-from outcore.tools import gpu_shapes
+from outcore.tools.kit import gpu_shapes
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256)

@@ -49,7 +49,7 @@ CUDA_TESTS_TIMEOUT = 300  # seconds: the whole kit is meant to take under 10 min
 
 def run_cuda_tests() -> dict:
     """`pytest -m cuda` over the repository's tests, where they are beside the package."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/kit/ in the root
     tests = os.path.join(root, "tests")
     if not os.path.isdir(tests):
         return {"ran": False, "why": f"no tests folder at {tests} (an installed package): run from a checkout"}
