@@ -22,6 +22,7 @@ def test_a_bad_number_exits_2_with_one_line(tmp_path, monkeypatch, capsys, argv)
     assert not (tmp_path / "outcore-run").exists()
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_naming_the_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FloatingPointError, match="at step [0-9]+: training diverged"):

@@ -73,6 +73,7 @@ def test_a_dead_save_s_leftovers_are_cleared(tmp_path, engine):
     assert (ckpt / "latest").read_text().strip() == "step1"
 
 
+@pytest.mark.slow
 def test_a_second_run_saving_into_the_same_directory_is_refused(tmp_path, engine):
     engine.save_checkpoint(str(tmp_path / "ckpt"), "step1")
     other = subprocess.run([sys.executable, "-c", SECOND_RUN, str(tmp_path / "ckpt")], capture_output=True,

@@ -102,6 +102,7 @@ def _crash(tmp_path, when):
     return ckpt
 
 
+@pytest.mark.slow
 def test_a_crash_while_resaving_a_tag_resumes_from_its_previous_save(tmp_path, caplog):
     """Row 10: killed between moving the old folder aside and the new one into place, `latest` names
     a tag whose folder is gone; its previous save stands in for it."""
@@ -114,6 +115,7 @@ def test_a_crash_while_resaving_a_tag_resumes_from_its_previous_save(tmp_path, c
     assert meta["step"] == 0 and any("stands in" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_first_checkpoint_saved_before_latest_is_found(tmp_path, capsys):
     """Row 10: killed after the first save's folder was in place, before `latest` was written."""
     ckpt = _crash(tmp_path, "first")

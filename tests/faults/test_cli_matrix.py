@@ -131,6 +131,7 @@ def test_every_cli_error_is_one_line_with_the_spec_exit_status(tmp_path, monkeyp
     assert not (tmp_path / "victim").exists()
 
 
+@pytest.mark.slow  # spawns a process
 def test_a_reader_that_leaves_early_stops_the_command_quietly(tmp_path):
     """`outcore estimate ... | head`: the pipe closes before the command prints; it stops with status 1
     and says nothing (it printed "failed: BrokenPipeError", and Python's exit then complained again)."""

@@ -120,6 +120,7 @@ def test_a_template_that_loops_too_long_is_stopped_and_says_so(tok, monkeypatch)
                    completion_only=False, chat_template=slow)
 
 
+@pytest.mark.slow
 def test_a_huge_text_row_costs_a_small_multiple_of_its_size(tmp_path, model_path):
     """A 8 MB line (the tokenizer alone takes ~100x a text it tokenizes whole)."""
     words = STORY.split()

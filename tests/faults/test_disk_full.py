@@ -32,6 +32,7 @@ FILLS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_while_starting_leaves_no_swap_file(tmp_path):
     res = subprocess.run([sys.executable, "-c", FILLS, str(tmp_path / "nvme")], capture_output=True, text=True,
                          timeout=120)
@@ -113,6 +114,7 @@ SAVES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_fills_the_disk_names_the_file_and_leaves_nothing_half_written(tmp_path):
     """Row 9: a real EFBIG from the kernel (a per-process file size limit) in the middle of a save."""
     ckpt = tmp_path / "ckpt"

@@ -45,6 +45,7 @@ def weights(out) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(files) for k, v in load_file(out / f).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", ["before", "after"])
 def test_a_kill_at_the_swap_leaves_one_whole_model(tmp_path, kill):
     out = tmp_path / "model"
@@ -65,6 +66,7 @@ def test_a_kill_at_the_swap_leaves_one_whole_model(tmp_path, kill):
     assert (out / "tokenizer.json").read_text() == "{}" and (out / "runs" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_an_export_keeps_the_user_s_files_and_drops_the_shards_it_replaces(tmp_path):
     out = tmp_path / "model"
     assert export(out, seed=1).returncode == 0  # 8 shards and an index

@@ -149,6 +149,7 @@ def test_a_failed_train_batch_backward_is_undone(tmp_path):
     assert [n for _, n in failed] == pytest.approx([n for _, n in clean], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulation_a_failure_in_a_later_micro_step(tmp_path):
     """A backward that fails after adding into the window's gradients drops the whole window (their
     sum cannot be taken apart again): the run then equals one that skipped that window's batches. One
@@ -220,6 +221,7 @@ json.dump(report, open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w"))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_failed_backward_on_one_rank_stops_every_rank(tmp_path, stage):
     here = os.path.dirname(__file__)

@@ -56,6 +56,7 @@ print("puts done", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [ENGINE, STORE], ids=["engine", "store"])
 def test_a_script_that_never_closes_exits_cleanly_and_leaves_no_swap_file(tmp_path, script):
     nvme = tmp_path / "nvme"
@@ -83,6 +84,7 @@ print(sorted(os.listdir(nvme)))
 """
 
 
+@pytest.mark.slow
 def test_forked_dataloader_workers_leave_their_parents_swap_file_alone(tmp_path):
     nvme = tmp_path / "nvme"
     res = run_script(FORKED_WORKERS, str(nvme))
@@ -129,6 +131,7 @@ print(os.path.isdir(scratch))
 """
 
 
+@pytest.mark.slow
 def test_a_forked_child_that_exits_leaves_its_parents_scratch_folder(tmp_path):
     res = run_script(FORKED_CHILD, env={"TMPDIR": str(tmp_path)})
     assert res.stdout.split() == ["True", "False"], res.stdout + res.stderr[-2000:]

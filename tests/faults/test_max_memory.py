@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from outcore.tools.cli import main
 
 
+@pytest.mark.slow
 def test_a_derived_budget_is_lowered_to_fit_and_the_peak_stays_under_max_memory(tmp_path):
     bound = 1200 << 20
     done = subprocess.run([sys.executable, "-m", "outcore.tools.cli", "train", "--preset", "gpt-125m", "--batch", "1",
@@ -35,6 +38,7 @@ def test_a_run_that_cannot_fit_is_refused_before_step_1_with_its_arithmetic(tmp_
     assert "step 1" not in said.out
 
 
+@pytest.mark.slow
 def test_a_run_starved_by_ulimit_v_says_so_and_what_to_do(tmp_path):
     import resource
 

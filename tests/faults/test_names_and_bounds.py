@@ -54,6 +54,7 @@ except StorageError as e:
 """
 
 
+@pytest.mark.slow
 def test_budgets_past_the_address_space_limit(tmp_path):
     """Under `ulimit -v`, the host arena maps its capacity alone where twice does not fit, said once;
     where not even that fits, one clear error instead of a bare `OSError [Errno 12]`."""
@@ -98,6 +99,7 @@ except outcore.StorageError as e:
 """
 
 
+@pytest.mark.slow
 def test_an_export_onto_a_full_disk_is_one_clear_error(tmp_path):
     out = tmp_path / "model.safetensors"
     res = subprocess.run([sys.executable, "-c", EXPORT_FILLS, str(out)], capture_output=True, text=True, timeout=120)

@@ -125,6 +125,7 @@ def test_a_second_live_run_on_the_directory_is_refused_naming_the_holder(tmp_pat
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_killed_runs_directory_is_taken_over_by_the_next_run(tmp_path):
     proc = holder(tmp_path / "nvme")
     os.kill(proc.pid, signal.SIGKILL)

@@ -35,6 +35,7 @@ def _scratch(tmp_path) -> list[str]:
                   n != "outcore-run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
 def test_a_signal_stops_cleanly(tmp_path, signum, code, twice):
@@ -64,6 +65,7 @@ def test_a_signal_stops_cleanly(tmp_path, signum, code, twice):
         assert summary["stopped"]["signal"] == signal.Signals(signum).name
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_ctrl_c_and_resumed_ends_as_the_uninterrupted_run(tmp_path):
     """SIGINT mid-run saves the step it stopped after (no --save-every needed); --resume continues with
     the same batches and ends with the weights of a run that was never stopped."""
@@ -96,6 +98,7 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_ends_as_the_uninterrupted_run(tmp_p
         assert torch.equal(exported["cut"][k], v), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [NVME, HOST], ids=["nvme", "host"])
 def test_a_killed_run_is_reclaimed_by_the_next(tmp_path, offload):
     proc = _start(tmp_path, *offload)

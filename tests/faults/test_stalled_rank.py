@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 RANK = textwrap.dedent("""
     import sys, torch
     import outcore
@@ -33,6 +35,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_an_error_on_every_rank(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
            "OMP_NUM_THREADS": "1"}

@@ -85,6 +85,7 @@ def test_an_engine_checkpoint_of_another_run_at_the_same_step_is_refused(tmp_pat
         _resume(tmp_path, model_path, str(ckpt))
 
 
+@pytest.mark.slow
 def test_the_run_s_own_checkpoint_resumes_and_keeps_the_run_id(tmp_path, model_path, two_runs):
     run = shutil.copytree(two_runs / "a", tmp_path / "a")
     trainer = outcore.hf.Trainer(model=model_path, args=trainer_args(str(run), max_steps=6, save_strategy="steps",

@@ -12,6 +12,7 @@ pytest.importorskip("trl")
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft_trainer.py")
 
 
+@pytest.mark.slow
 def test_the_sft_example_trains_and_saves_adapters_peft_loads(tmp_path):
     import peft
     import transformers

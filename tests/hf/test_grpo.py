@@ -37,6 +37,7 @@ def grpo(cls, model_path, directory, *, with_peft, **extra):
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_peft", [True, False], ids=["peft", "full"])
 @pytest.mark.parametrize("name", ["GRPO", "RLOO"])
 def test_grpo_and_rloo_equal_the_plain_trainers(tmp_path, model_path, name, with_peft, capfd):

@@ -40,6 +40,7 @@ def dpo(cls, model_path, directory, *, with_peft, positional=False, **extra):
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_peft, precompute", [(True, False), (False, False), (True, True), (False, True)],
                          ids=["peft", "full", "peft-precomputed", "full-precomputed"])
 def test_dpo_equals_plain_dpo(tmp_path, model_path, with_peft, precompute):
@@ -84,6 +85,7 @@ def kto_rows(n: int = 24, seed: int = 0):
          "label": i % 2 == 0} for i in range(n)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_peft", [True, False], ids=["peft", "full"])
 def test_kto_equals_plain_kto(tmp_path, model_path, with_peft):
     def run(cls, name, **extra):
@@ -107,6 +109,7 @@ def test_kto_equals_plain_kto(tmp_path, model_path, with_peft):
     ours.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
 def test_orpo_and_cpo_equal_the_plain_trainers(tmp_path, model_path, name):
     import importlib

@@ -33,6 +33,7 @@ def reward(cls, model_path, directory, *, with_peft, **extra):
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_peft", [True, False], ids=["peft", "full"])
 def test_reward_equals_plain_reward(tmp_path, model_path, with_peft):
     plain = reward(trl.RewardTrainer, model_path, tmp_path / "plain", with_peft=with_peft)

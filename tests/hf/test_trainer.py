@@ -32,6 +32,7 @@ def assert_same_weights(state: dict, reference: dict, rel=1e-5):
         assert float((state[k].float() - ref.float()).abs().max() / scale) <= rel, k
 
 
+@pytest.mark.slow
 def test_the_trainer_equals_the_plain_trainer(tmp_path, model_path):
     """Losses, gradient norms, learning rates, evaluation and final weights, with params and optimizer
     states on NVMe and `model=` a path."""
@@ -51,6 +52,7 @@ def test_the_trainer_equals_the_plain_trainer(tmp_path, model_path):
     ours.engine.close()
 
 
+@pytest.mark.slow
 def test_bf16_trains_in_the_engine_s_bf16_close_to_the_plain_trainer_s_autocast(tmp_path, model_path):
     """`bf16=True` is outcore's bf16 (bf16 parameters and compute, fp32 masters and moments), not autocast
     over fp32 weights: close to the plain trainer, not equal."""
@@ -66,6 +68,7 @@ def test_bf16_trains_in_the_engine_s_bf16_close_to_the_plain_trainer_s_autocast(
     ours.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [96, 512])
 def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_peft(tmp_path, vocab):
     """Conversational data, loss on the assistant's turns only. The adapters start as plain peft draws them
@@ -105,6 +108,7 @@ def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_pef
     ours.engine.close()
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_its_step_3_checkpoint_ends_as_the_uninterrupted_run(tmp_path, model_path):
     """checkpoint-N folders hold outcore's sharded checkpoint with the trainer's state and RNG files;
     save_total_limit keeps the newest; resume_from_checkpoint continues exactly."""
@@ -196,6 +200,7 @@ def one_rank(tmp_path_factory, model_path):
     return run_ranks([sys.executable], model_path, tmp_path_factory.mktemp("one"), 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path, model_path, one_rank, launcher):
     """Two ranks of batch 2 under `torchrun` or `accelerate launch` (whose --multi_gpu launcher starts
@@ -213,6 +218,7 @@ def test_two_gloo_ranks_equal_one_rank_on_the_global_batch(tmp_path, model_path,
     assert_same_weights(two_sd, one_sd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["model_init_kwargs", "trainer", "pre-quantized", "8-bit"])
 def test_qlora_through_the_sft_trainer_equals_plain_trl_peft_and_bitsandbytes(tmp_path, where):
     """`quantization_config` (a BitsAndBytesConfig) in `args.model_init_kwargs` or given to the trainer,

@@ -9,6 +9,7 @@ from outcore.offload import IOConfig, OutOfBudgetError, Tier
 
 # The second config has fewer I/O slots than a key has blocks: write-backs must never wait for a
 # slot while holding the store's lock (see [Note: no I/O under the lock]).
+@pytest.mark.slow
 @pytest.mark.parametrize("io", [IOConfig(block_size=8 << 10, queue_depth=4, threads=3),
                                 IOConfig(block_size=4096, queue_depth=1, threads=1)])
 def test_threads_fetching_evicting_and_writing_concurrently(make_store, io):

@@ -86,6 +86,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_full_disk_raises_and_loses_nothing(tmp_path):
     res = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "nvme")], capture_output=True,
                          text=True, timeout=120)

@@ -3,6 +3,7 @@
 import shutil
 import tempfile
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -78,4 +79,4 @@ class StoreVersusDict(RuleBasedStateMachine):
 
 
 StoreVersusDict.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
-test_store_versus_dict = StoreVersusDict.TestCase
+test_store_versus_dict = pytest.mark.slow(StoreVersusDict.TestCase)

@@ -58,6 +58,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_engine_starts_where_peft_starts_on_the_whole_model_and_trains_as_plain_peft(tmp_path, case, stage):

@@ -52,6 +52,7 @@ def train_compiled(engine, model, steps, *, whole_engine=False):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("whole_engine", [False, True], ids=["model-in-place", "torch.compile(engine)"])
 def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nvme(tmp_path, caplog, whole_engine,
                                                                                    anchor_warning_unsaid):
@@ -72,6 +73,7 @@ def test_a_compiled_model_trains_as_plain_pytorch_compiled_with_everything_on_nv
     engine.close()
 
 
+@pytest.mark.slow
 def test_a_compiled_hugging_face_model_trains_as_plain_pytorch_compiled(tmp_path, caplog, anchor_warning_unsaid):
     directory = save_model("llama", str(tmp_path / "llama"))
     batch = token_batches(4)

@@ -52,6 +52,7 @@ def test_t5_pages_both_stacks_trains_as_plain_adamw_and_generates_the_same(tmp_p
         assert torch.equal(generated, plain.generate(data[0]["input_ids"], max_new_tokens=6, do_sample=False))
     ours.close()
 
+@pytest.mark.slow
 def test_t5_train_batch_equals_accumulation(tmp_path):
     """The decoder stack carries a config of its own whose key/value cache stayed on: the recomputed
     decoder blocks appended to it twice, and torch's checkpoint failed on the count of saved tensors."""

@@ -23,6 +23,7 @@ SETTINGS = [(3, "nvme", "nvme", 1.0), (3, "cpu", "cpu", None), (3, "none", "none
             (1, "none", "cpu", 1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("stage", "params", "optim", "clip"), SETTINGS)
 def test_frozen_parameters_train_as_plain_pytorch_and_never_change(tmp_path, stage, params, optim, clip):
     ours_model, ref_model = twins(lambda: freeze(TinyGPT()))

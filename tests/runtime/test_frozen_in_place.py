@@ -157,6 +157,7 @@ def test_a_checkpoint_refers_to_the_weights_files_resumes_from_them_and_refuses_
     fresh.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_save_what_one_rank_resumes_from_the_same_weights_files(tmp_path):
     import subprocess
 

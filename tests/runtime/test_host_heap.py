@@ -50,6 +50,7 @@ def test_the_threshold_follows_the_budgets_in_ram():
     assert mmap_threshold_for(1 << 30) == mmap_threshold_for(64 << 30) == THRESHOLD == 16 << 20
 
 
+@pytest.mark.slow
 def test_ample_budgets_reuse_freed_buffers_lean_ones_return_them(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)

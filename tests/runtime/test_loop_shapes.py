@@ -89,6 +89,7 @@ def train_two_forwards(step, model_or_engine, data):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", SEVERAL_USES)
 def test_two_forwards_before_one_backward_train_as_plain_pytorch(tmp_path, cfg):
     ours_model, ref_model = twins(lambda: TinyGPT(tied=False))

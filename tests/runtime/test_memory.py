@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(__file__)
 
 
+@pytest.mark.slow
 def test_states_larger_than_the_budgets_train_in_bounded_rss(tmp_path):
     host_budget = 256 << 20
     res = subprocess.run([sys.executable, os.path.join(HERE, "memory_train.py"), str(tmp_path / "nvme"), "2048", "64",

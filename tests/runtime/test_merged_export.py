@@ -230,6 +230,7 @@ def test_dora_built_with_its_weights_trains_as_plain_peft(tmp_path):
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["pissa"])  # changes adapters and base both; the merge cases: one rank, above
 def test_two_ranks_export_the_merge_of_what_they_hold_together(tmp_path, init):
     directory = save_model("llama", str(tmp_path / "m"))

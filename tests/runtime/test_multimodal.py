@@ -3,6 +3,7 @@ vision tower's buffers are computed by its own initialization (transformers runs
 model's `_init_weights` on each module), and text-only fine-tuning leaves the tower as plain
 AdamW leaves it: its parameters get no gradient, so they sit every update out."""
 
+import pytest
 import torch
 import transformers
 from helpers import assert_losses_match, engine_kwargs_steps, plain_kwargs_steps
@@ -23,6 +24,7 @@ def save_llava(directory):
     return directory
 
 
+@pytest.mark.slow
 def test_llava_builds_its_vision_buffers_and_text_only_training_equals_plain_adamw(tmp_path):
     directory = save_llava(str(tmp_path / "llava"))
     ref = transformers.LlavaForConditionalGeneration.from_pretrained(directory)

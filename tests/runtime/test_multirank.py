@@ -17,6 +17,7 @@ from outcore.tools.export import export_checkpoint
 HERE = os.path.dirname(__file__)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, params, optim, clip, chunk, compiled", [(3, "nvme", "nvme", 1.0, 1024, False),
                                                                          (3, "cpu", "none", None, 1 << 22, False),
                                                                          (2, "none", "nvme", 1.0, 2048, False),
@@ -55,6 +56,7 @@ def test_two_ranks_equal_one_rank_on_the_global_batch(tmp_path, stage, params, o
         assert torch.equal(exported[k], v), k
 
 
+@pytest.mark.slow
 def test_two_ranks_with_bf16_states_train_as_fp32_states_do(tmp_path):
     """Each rank rounds its own shard's states with its own generator; the run stays within bf16's
     rounding of the fp32 one, and its checkpoint exports."""
@@ -88,6 +90,7 @@ def run_ranks(world: int, tmp_path, name: str, cfg: dict, first: int, last: int,
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_a_checkpoint_written_by_n_ranks_resumes_on_m_exactly(tmp_path, before, after):
     cfg = {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_dir": str(tmp_path / "nvme"),
@@ -98,6 +101,7 @@ def test_a_checkpoint_written_by_n_ranks_resumes_on_m_exactly(tmp_path, before, 
     assert_losses_match(first["losses"] + second["losses"], whole["losses"], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, params, optim, dtype", [(3, "nvme", "nvme", "fp32"), (2, "none", "cpu", "fp32"),
                                                          (3, "nvme", "nvme", "bf16")])
 def test_two_ranks_train_batch_equals_one_rank_accumulating_the_global_batch(tmp_path, stage, params, optim, dtype):

@@ -15,6 +15,7 @@ from outcore.offload import Tier
 OFFLOADS = ["none", "cpu", "nvme"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params, optim", list(itertools.product(OFFLOADS, OFFLOADS)))
 def test_stage3_every_offload_combination_tied(tmp_path, params, optim):
     clip = 1.0 if (params, optim) in {("nvme", "nvme"), ("cpu", "none"), ("none", "cpu")} else None
@@ -55,6 +56,7 @@ def test_stages_1_and_2_with_optimizer_offload(tmp_path, stage, optim, clip):
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_gradient_accumulation(tmp_path, clip):
     cfg = outcore.Config(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path),
@@ -118,6 +120,7 @@ def test_optimizer_chunks_smaller_than_units_change_nothing(tmp_path, clip):
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize(("params", "optim"), [("nvme", "nvme"), ("cpu", "cpu"), ("nvme", "cpu"), ("cpu", "nvme")])
 def test_tight_budgets_evict_and_change_nothing(tmp_path, clip, params, optim):

@@ -75,6 +75,7 @@ def test_weights_give_the_logits_and_the_generation_of_from_pretrained(tmp_path,
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_six_fine_tuning_steps_on_nvme_equal_plain_adamw_and_the_export_loads_back(tmp_path, kind):
     directory = save_model(kind, str(tmp_path / kind))

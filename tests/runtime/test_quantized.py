@@ -172,6 +172,7 @@ def test_quantize_with_nothing_frozen_is_refused(tmp_path):
         outcore.Engine(deferred(directory), config, weights=directory)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_one_on_the_global_batch(tmp_path):
     import json
     import subprocess

@@ -35,6 +35,7 @@ def no_key_kept(engine) -> bool:
     return not [k for k in engine.store.keys() if engine.store.is_kept(k)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("host_budget", [None, "least"])
 def test_speculated_updates_kept_or_redone_equal_clip_grad_norm(tmp_path, pattern, host_budget):

@@ -95,6 +95,7 @@ def test_the_memory_plan_counts_half_the_optimizer_bytes(dtype):
     assert bf16 * (2 if dtype == "fp32" else 3) == fp32
 
 
+@pytest.mark.slow
 def test_a_bf16_checkpoint_resumes_exactly_and_converts_both_ways(tmp_path, caplog):
     data = batches(8)
 
@@ -146,6 +147,7 @@ def test_an_unknown_state_dtype_is_refused():
         outcore.Config(state_dtype="fp16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_bf16_states_under_half_precision_compute(tmp_path, dtype):
     """fp16 keeps a master apart, [master|m|v] in bf16; bf16 compute's parameters are the master."""
@@ -161,6 +163,7 @@ def test_bf16_states_under_half_precision_compute(tmp_path, dtype):
     assert bf16 == pytest.approx(fp32, rel=3e-2)
 
 
+@pytest.mark.slow
 def test_train_batch_with_bf16_states_equals_its_micro_steps(tmp_path):
     """train_batch of K against K backward calls with grad_accumulation=K: the same updates, so the
     same draws of the rounding generator and the same values."""

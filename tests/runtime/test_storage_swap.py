@@ -38,6 +38,7 @@ def test_the_running_torch_can_swap_so_one_rank_borrows(tmp_path):
     engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params, optim, clip", [("nvme", "nvme", 1.0), ("cpu", "none", None)])
 def test_without_the_swap_units_are_copied_and_train_as_plain_pytorch(tmp_path, caplog, torch_without_swap,
                                                                      params, optim, clip):

@@ -138,6 +138,7 @@ def test_the_same_architecture_missing_its_head_is_still_an_error(tmp_path):
         outcore.Engine(model, nvme_config(tmp_path), weights=directory)
 
 
+@pytest.mark.slow
 def test_two_ranks_draw_the_same_new_head_as_one(tmp_path):
     directory = save_model("llama", str(tmp_path / "lm"))
     out = str(tmp_path / "two.pt")

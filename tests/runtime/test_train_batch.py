@@ -262,6 +262,7 @@ def test_dropout_in_one_micro_batch_equals_a_plain_step_as_recomputation_replays
     ours.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
 def test_dropout_across_micro_batches_is_said_once_and_reproducible_for_a_seed(tmp_path, caplog, dropout):
     directory = save_model("opt", str(tmp_path / "opt"), dropout=dropout)

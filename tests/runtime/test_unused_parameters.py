@@ -84,6 +84,7 @@ def test_a_resumed_run_keeps_each_parameters_step_count(tmp_path):
     resumed.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_update_a_parameter_only_one_of_them_gave_a_gradient(tmp_path):
     """Rank 0's rows take the branch, rank 1's never do: the gate is updated on both, as on one rank
     over the global batch, and sits out only the steps in which no rank took it. (Every rank runs

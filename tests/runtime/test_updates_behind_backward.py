@@ -42,6 +42,7 @@ def gpu_like_updates(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_states_on_the_cpu_stay_there_when_updates_trail_backward(tmp_path, gpu_like_updates):
     cfg = outcore.Config(stage=3, offload_params="cpu", offload_optimizer="cpu", nvme_dir=str(tmp_path),
                          grad_clip=None)

@@ -76,6 +76,7 @@ def test_a_size_that_does_not_parse_exits_2(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.slow  # spawns a process
 def test_bench_disk_does_not_import_torch():
     code = "import sys, outcore.tools.cli, outcore.tools.bench_disk; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

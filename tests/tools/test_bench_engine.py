@@ -16,6 +16,7 @@ def _step(tmp_path, budget: str) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_a_step_against_plain_under_given_or_derived_budgets(tmp_path, capsys):
     plain, tight = _step(tmp_path, "8M")
     assert "NVMe-run budgets 8.0 MiB;" in capsys.readouterr().out
@@ -46,6 +47,7 @@ def test_a_json_that_cannot_be_written_stops_a_benchmark_before_it_runs(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
 
 
+@pytest.mark.slow
 def test_the_store_alone_evicts_writes_back_and_reads_again_and_leaves_nothing(tmp_path, capsys):
     (tmp_path / "nvme").mkdir()
     result = bench_engine.run_store(str(tmp_path / "nvme"), keys=16, rounds=4)

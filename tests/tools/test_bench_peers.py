@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from outcore.tools.kit import bench_peers
 
 
+@pytest.mark.slow
 def test_plain_and_outcore_side_by_side(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_peers, "deepspeed_available", lambda: False)
     out = tmp_path / "peers.json"
@@ -31,6 +34,7 @@ def test_deepspeed_offloads_both_states_where_its_kind_says():
         assert in_memory[key] == {"device": "cpu"}  # no path: nothing of DeepSpeed's touches the disk
 
 
+@pytest.mark.slow
 def test_every_deepspeed_kind_is_left_out_by_name_without_deepspeed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench_peers, "deepspeed_available", lambda: False)
     assert bench_peers.main(["--preset", "tiny", "--batch", "1", "--steps", "1", "--rounds", "1",

@@ -31,6 +31,7 @@ def test_a_count_beyond_any_model_is_refused_naming_the_most_accepted():
         parse_count("1e30")
 
 
+@pytest.mark.slow  # spawns a process
 @pytest.mark.parametrize(("argv", "names"), [(["estimate", "--params", "inf"], "--params 'inf'"),
                                              (["train", "--host-budget", "inf"], "--host-budget 'inf'"),
                                              (["train", "--seed", str(2**70)], f"--seed '{2**70}'")])

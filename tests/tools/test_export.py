@@ -27,6 +27,7 @@ def _trained_engine(tmp_path, dtype="fp32", **cfg):
     return engine, gpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["nvme", "none"])
 def test_export_loads_into_the_plain_model_with_equal_logits(tmp_path, offload):
     engine, gpt = _trained_engine(tmp_path, offload_params=offload, offload_optimizer=offload)
@@ -50,6 +51,7 @@ def test_export_loads_into_the_plain_model_with_equal_logits(tmp_path, offload):
     assert not [n for n in os.listdir(os.path.dirname(out)) if n.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_export_in_bf16_and_of_a_named_tag(tmp_path):
     engine, _ = _trained_engine(tmp_path, dtype="bf16", offload_params="cpu", offload_optimizer="nvme")
     try:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+import pytest
+
 import outcore
 
 
@@ -28,6 +30,7 @@ def test_the_public_api_is_reexported_at_the_top():
     assert (outcore.TieredStore, outcore.Tier, outcore.IOConfig) == (TieredStore, Tier, IOConfig)
 
 
+@pytest.mark.slow  # spawns a process
 def test_a_users_runtime_and_tools_next_to_the_script_win_and_outcore_still_works(tmp_path):
     (tmp_path / "runtime.py").write_text("WHO = 'user'\n")
     (tmp_path / "tools").mkdir()
@@ -43,6 +46,7 @@ def test_a_users_runtime_and_tools_next_to_the_script_win_and_outcore_still_work
     assert res.stdout.strip() == "user | user tools | user offload | outcore.runtime.config"
 
 
+@pytest.mark.slow  # spawns a process
 def test_no_generic_package_is_importable_from_elsewhere(tmp_path):
     code = "import importlib.util as u; print([n for n in ('runtime', 'tools', 'offload') if u.find_spec(n)])"
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -3,11 +3,14 @@
 import subprocess
 import sys
 
+import pytest
+
 from outcore.tools.report import peak_rss
 
 CHILD = "from outcore.tools.report import peak_rss; print(peak_rss())"
 
 
+@pytest.mark.slow  # spawns a process
 def test_a_child_of_a_large_parent_reports_its_own_peak():
     held = bytearray(768 << 20)
     held[:: 4096] = b"x" * len(held[:: 4096])  # every page touched: resident in this process

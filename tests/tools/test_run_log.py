@@ -43,6 +43,7 @@ def test_an_unknown_tracker_is_refused_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "--report-to mlflow" in err[0]
 
 
+@pytest.mark.slow
 def test_report_to_wandb_logs_offline_without_a_network(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is outcore's default, not the environment's

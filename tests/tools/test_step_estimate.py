@@ -139,6 +139,7 @@ def test_the_shape_of_a_planned_model_caches_what_the_budgets_leave():
     assert step_bytes(tight)[0] > step_bytes(roomy)[0]
 
 
+@pytest.mark.slow
 def test_estimate_predict_on_the_tiny_preset(tmp_path):
     out = tmp_path / "estimate.json"
     cmd = [sys.executable, "-m", "outcore.tools.cli", "estimate", "--model", "tiny", "--stage", "3",

@@ -15,6 +15,7 @@ from outcore.tools.lr_schedules import DEFAULT, Schedule, default_warmup
 from outcore.tools.train import TrainOptions, train
 
 
+@pytest.mark.slow
 def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
     out = tmp_path / "summary.json"
     res = subprocess.run([sys.executable, "-m", "outcore.tools.cli", "train", "--preset", "tiny", "--steps", "30",
@@ -33,6 +34,7 @@ def test_tiny_on_the_default_corpus_lowers_the_loss(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".outcore-nvme")]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_with_states_on_nvme(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     common = dict(preset="tiny", offload_params="nvme", offload_optimizer="nvme", batch=4, eval_batches=1)
@@ -158,6 +160,7 @@ def test_a_step_over_micro_batches_takes_their_mean_gradient(tmp_path, monkeypat
             assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, ref, strict=True)), (name, ours, ref)
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_train_on_their_own_rows_as_one_rank_on_both(tmp_path):
     """Each rank takes its rows of one global batch: 2 ranks of batch 2 train as 1 rank of batch 4
     (every rank had trained on the same rows before), rank 0 alone reports the mean loss, and their

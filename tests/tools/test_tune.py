@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from hf_models import VOCAB, save_model  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tune_measures_candidates_in_processes_and_writes_a_winner_only_where_it_holds(tmp_path, monkeypatch,
                                                                                       capsys):
     monkeypatch.chdir(tmp_path)
@@ -128,6 +129,7 @@ def test_a_winner_within_the_given_configs_spread_is_not_written(tmp_path, monke
     assert report["confirmation"]["given_s"] == [0.9, 1.1, 1.0]
 
 
+@pytest.mark.slow
 def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path, capsys):
     base = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "n"),
                           host_budget=4096)  # far below the optimizer's working set
@@ -141,6 +143,7 @@ def test_a_config_that_cannot_run_is_reported_not_tuned(tmp_path, capsys):
     assert "host_budget=4,096" in err and "\n" not in err and not (tmp_path / "t.json").exists()
 
 
+@pytest.mark.slow
 def test_a_hugging_face_directory_is_tuned_with_its_own_weights_and_vocabulary(tmp_path):
     directory = save_model("llama", str(tmp_path / "llama"))  # no init of its own: it runs only from its weights
     base = outcore.Config(offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"),
@@ -160,6 +163,7 @@ CONFIG_TEXT = {"json": '{"offload_params": "nvme", "offload_optimizer": "nvme", 
                "yml": "offload_params: nvme\noffload_optimizer: nvme\ngrad_clip: 0\n"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ext", sorted(CONFIG_TEXT))
 def test_a_config_without_nvme_dir_is_tuned_in_a_scratch_folder_and_written_without_one(tmp_path, monkeypatch,
                                                                                           capsys, ext):
