@@ -149,13 +149,15 @@ def train_options(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from outcore.tools.estimate import estimate_table, legal_settings, train_batch_activations
+    from outcore.tools.estimate import estimate_table, legal_settings
     from outcore.tools.estimate_model import sized_model
     from outcore.tools.estimate_report import (
         activation_rows_printed,
+        estimate_json,
         predicted_step,
         print_table,
         step_activations,
+        train_batch_printed,
     )
     from outcore.tools.estimate_verdict import Machine, verdict, verdict_lines
     from outcore.tools.report import write_json
@@ -195,26 +197,10 @@ def _estimate(args: argparse.Namespace) -> int:
         prediction = predicted_step(args, model, verdict_)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    activations = None
-    if args.accumulate and model.dims is not None:
-        layers, d_model, vocab, context = model.dims
-        seq = args.seq or context
-        activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch or 1,
-                                              seq=seq, micro_batches=args.accumulate, dtype=args.dtype)
-        print(f"train_batch of {args.accumulate} micro-batches of {args.batch or 1} x {seq}: "
-              f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
-              "within the budgets above")
+    activations = train_batch_printed(args, model)
     for line in verdict_lines(verdict_, machine):
         print(line)
-    write_json(args.json, {"model": model.what, "device": args.device, "dtype": args.dtype,
-                           "state_dtype": args.state_dtype,
-                           "world_size": args.world_size, "units": model.units,
-                           "rows": rows, "train_batch_activation_bytes": activations,
-                           "activation_rows": step_rows, "prediction": prediction,
-                           "verdict": {"fits": verdict_.fits, "flags": verdict_.flags(), "short": list(verdict_.short),
-                                       "device_budget": verdict_.device_budget, "host_budget": verdict_.host_budget,
-                                       "offload_params": verdict_.offload_params,
-                                       "offload_optimizer": verdict_.offload_optimizer}})
+    write_json(args.json, estimate_json(args, model, rows, activations, step_rows, prediction, verdict_))
     return EXIT_OK
 
 

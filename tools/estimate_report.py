@@ -170,3 +170,32 @@ def activation_rows_printed(args: argparse.Namespace, dims: tuple[int, int, int,
     print("These are on the compute device besides the budgets (on a CPU, RAM); `outcore train` checks them "
           "before its first step.")
     return out
+
+
+def train_batch_printed(args: argparse.Namespace, model: SizedModel) -> int | None:
+    """With --accumulate: the activation keys a `train_batch` of that many micro-batches pages,
+    printed; their bytes, or None without it."""
+    from outcore.tools.estimate import train_batch_activations
+
+    if not args.accumulate or model.dims is None:
+        return None
+    layers, d_model, vocab, context = model.dims
+    seq = args.seq or context
+    activations = train_batch_activations(layers=layers, d_model=d_model, vocab=vocab, batch=args.batch or 1,
+                                          seq=seq, micro_batches=args.accumulate, dtype=args.dtype)
+    print(f"train_batch of {args.accumulate} micro-batches of {args.batch or 1} x {seq}: "
+          f"{human_bytes(activations)} of activation keys per rank, paged through host memory and NVMe "
+          "within the budgets above")
+    return activations
+
+
+def estimate_json(args: argparse.Namespace, model: SizedModel, rows: list[dict], activations: int | None,
+                  step_rows: dict | None, prediction: dict | None, verdict: Verdict) -> dict:
+    """What `--json` writes: the table's rows, the activations, the prediction and the verdict."""
+    return {"model": model.what, "device": args.device, "dtype": args.dtype, "state_dtype": args.state_dtype,
+            "world_size": args.world_size, "units": model.units,
+            "rows": rows, "train_batch_activation_bytes": activations,
+            "activation_rows": step_rows, "prediction": prediction,
+            "verdict": {"fits": verdict.fits, "flags": verdict.flags(), "short": list(verdict.short),
+                        "device_budget": verdict.device_budget, "host_budget": verdict.host_budget,
+                        "offload_params": verdict.offload_params, "offload_optimizer": verdict.offload_optimizer}}
