@@ -3,16 +3,18 @@
 This file composes the parts and holds the public API; each part is a module of its own: the start
 (runtime/engine_start.py), a micro-step's passes and the hooks' target (runtime/unit_lifecycle.py),
 a train_batch's turns (runtime/vertical.py), the gradient path (runtime/gradient_path.py) and the
-update stream (runtime/update_stream.py).
+update stream (runtime/update_stream.py). The start, in order: plan units, lay out flat shards,
+size the store, materialize and shard each unit, wire hooks.
 
 forward   each unit is gathered in its pre-hook (prefetched from the recorded order) and, under
           ZeRO-3, released in its post-hook;
 backward  a unit is gathered again when the gradient of its output arrives; when its flat gradient
           is complete it is reduced to this rank's fp32 shard and released;
 step      the global grad norm and fp16 overflow are reduced across ranks, then each unit's states
-          stream through the work tier: read, fused AdamW, write back. Without clipping or fp16 a
-          unit's update starts during backward, as soon as its gradient is final. `step()` does not
-          wait for the stream: the next forward waits for each unit's own update before gathering it.
+          stream through the work tier: read, fused AdamW, write back (in fp32 the parameter shard
+          is the master, updated in place). Without clipping or fp16 a unit's update starts during
+          backward, as soon as its gradient is final. `step()` does not wait for the stream: the
+          next forward waits for each unit's own update before gathering it.
 """
 
 from __future__ import annotations
@@ -221,9 +223,8 @@ class Engine:
                        if u.plan.module is not self.model}.values())
         batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
         try:
-            losses = batch.run(micro_batches, loss_fn, compute_loss, lifecycle=self.lifecycle, gradients=self.gradients,
-                               model=self.model, blocks=blocks, saved=saved, random_draws=self._random_draws,
-                               scaler=self.scaler)
+            losses = batch.run(micro_batches, loss_fn, compute_loss, lifecycle=self.lifecycle, model=self.model,
+                               blocks=blocks, saved=saved, random_draws=self._random_draws)
         finally:
             self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme,
                                  "bytes_kept": saved.bytes_kept}

@@ -39,8 +39,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from outcore.runtime.flat_unit import FlatUnit
-from outcore.runtime.gradient_path import GradientPath
-from outcore.runtime.loss_scale import LossScaler
 from outcore.runtime.random_draws import RandomDraws
 from outcore.runtime.saved_activations import SavedActivations
 from outcore.runtime.unit_lifecycle import OneMicroBatch, UnitLifecycle
@@ -106,9 +104,8 @@ class VerticalBatch:
         self._views: list[dict[int, tuple[FlatUnit, list[torch.Tensor]]]] = [{} for _ in range(count)]
 
     def run(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-            compute_loss: Callable[[Any], torch.Tensor] | None, *, lifecycle: UnitLifecycle,
-            gradients: GradientPath, model: nn.Module, blocks: Sequence[nn.Module], saved: SavedActivations,
-            random_draws: RandomDraws, scaler: LossScaler) -> list[torch.Tensor]:
+            compute_loss: Callable[[Any], torch.Tensor] | None, *, lifecycle: UnitLifecycle, model: nn.Module,
+            blocks: Sequence[nn.Module], saved: SavedActivations, random_draws: RandomDraws) -> list[torch.Tensor]:
         """The batch (as `Engine.train_batch` takes it): each micro-batch's forward and loss turn by
         turn, its activations paged by `saved`, then one backward over the sum of the losses, the
         lifecycle on this schedule meanwhile; returns the K losses with the micro-step ended. A
@@ -121,7 +118,7 @@ class VerticalBatch:
             return batch_loss(call_model(model, micro_batches[index]), micro_batches[index], loss_fn)
 
         lifecycle.schedule = self
-        gradients.begin_batch(self.count)
+        lifecycle.gradients.begin_batch(self.count)
         try:
             with checkpointed(blocks, model), torch.enable_grad(), uncompiled(model):
                 lifecycle.phase.begin_forward()
@@ -129,6 +126,7 @@ class VerticalBatch:
                     losses = self.turns.run(forward)
                 lifecycle.phase.begin_backward()
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
+                scaler = lifecycle.scaler
                 (total * scaler.scale if scaler.enabled else total).backward()
         except BaseException as error:
             lifecycle.abandon_micro_step(error, "a train_batch")
