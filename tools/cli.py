@@ -76,20 +76,22 @@ def _writable(path: str, flag: str, *, folder: bool) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from outcore.tools.cli_flags import command_actions
     from outcore.tools.report import write_json
     from outcore.tools.run_record import recorded, resumed
     from outcore.tools.train import train
 
     _writable(args.out, "--out", folder=True)
-    if args.tag and not args.resume:
-        raise UsageError("--tag names the checkpoint to resume from: give --resume too.")
+    for name in ("tag", "data_changed_ok"):
+        if getattr(args, name) and not args.resume:
+            raise UsageError(f"--{name.replace('_', '-')} is for a resume: give --resume too.")
     if args.resume:
         from outcore.runtime.checkpoint.folder import NoCheckpointError, find_checkpoint
 
         checkpoints = os.path.join(args.out, "checkpoints")
         try:
             find_checkpoint(checkpoints, args.tag)
-            saved = recorded(args.out)
+            saved = recorded(args.out, command_actions("train"))
             if saved is not None:  # the run's own arguments, with what this command may change
                 values, changes = resumed(saved, vars(args), getattr(args, "given", set(vars(args))),
                                           world=int(os.environ.get("WORLD_SIZE", "1")))

@@ -89,6 +89,13 @@ def given_flags(argv: list[str]) -> set[str]:
     return set(vars(parser.parse_args(argv))) - {"command"}
 
 
+def command_actions(command: str) -> dict[str, argparse.Action]:
+    """The flags of one command of the parser, by destination."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {action.dest: action for action in sub.choices[command]._actions if action.dest != "help"}
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     found = []
     for action in parser._actions:
@@ -215,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "arguments OUT/run.json recorded (a flag given again that changes what is trained is refused; "
                    "steps, budgets, logging and the schedule may change, and are said)")
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
+    t.add_argument("--data-changed-ok", action="store_true", help="with --resume: go on though a data file's bytes "
+                   "differ from what the run recorded as it started (said, naming the file; default: refused)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
     t.add_argument("--seed", type=int_in(SEEDS), default=0,
