@@ -32,8 +32,13 @@ def data_file(spec: str) -> DataFile:
     if not sep or os.path.exists(spec):
         return DataFile(spec)
     try:
+        if not weight.isascii():  # float() also reads other scripts' digits ('٢')
+            raise ValueError(weight)
         value = float(weight)
     except ValueError:
+        if os.path.exists(path):
+            raise ValueError(f"--data {spec!r}: no such file, and {weight!r} after {path!r} is not a weight: FILE:W "
+                             f"takes a positive number, e.g. {path}:0.5.") from None
         return DataFile(spec)
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError(f"--data {spec!r}: a weight is a positive number, e.g. {path}:0.5.")
@@ -72,6 +77,7 @@ def mixed(files: Sequence[FileSamples], seed: int) -> tuple[list[Sample], list[i
     g = torch.Generator().manual_seed(seed)
     total = sum(len(f.samples) for f in files)
     probabilities = torch.tensor([float(w) for w in weights if w is not None], dtype=torch.float64)
+    probabilities /= probabilities.max()  # weights are relative: scaled so that their sum cannot overflow (1e308)
     picks = torch.multinomial(probabilities, total, replacement=True, generator=g).tolist()
     orders: list[list[int]] = [[] for _ in files]
     out, counts = [], [0] * len(files)

@@ -7,12 +7,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 import types
 import typing
 from typing import Any, Union
 
 _WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
           type(None): "null (None)"}
+
+
+_QUOTE = reprlib.Repr()  # Python 3.11's takes no keywords
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 3, 80, 80
+_QUOTE.maxlist = _QUOTE.maxtuple = _QUOTE.maxdict = _QUOTE.maxset = 8
+QUOTE_LIMIT = 200  # characters of a value an error quotes: a value written by a YAML alias can be huge
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)` for an error message, bounded in time and to QUOTE_LIMIT characters."""
+    text = _QUOTE.repr(value)
+    return text if len(text) <= QUOTE_LIMIT else text[: QUOTE_LIMIT - 3] + "..."
 
 
 def check_fields(obj: Any, prefix: str = "") -> None:
@@ -27,7 +40,7 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         value = getattr(obj, f.name)
         ok, converted = _fit(value, hint)
         if not ok:
-            raise ValueError(f"{prefix}{f.name}={value!r}: must be {_describe(hint)}.")
+            raise ValueError(f"{prefix}{f.name}={quoted(value)}: must be {_describe(hint)}.")
         if converted is not value:
             object.__setattr__(obj, f.name, converted)  # frozen dataclasses too
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outcore.offload.io_config import IOConfig
-from outcore.offload.typed_fields import check_fields
+from outcore.offload.typed_fields import check_fields, quoted
 from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
 from outcore.runtime.policy import DTYPES, OFFLOADS, STATE_DTYPES
-from outcore.runtime.sizes import parse_count, parse_size
+from outcore.runtime.sizes import MOST_BYTES, human_bytes, parse_count, parse_size
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least
 SEEDS = range(2**32)  # Engine's seed=, as numpy and set_seed take it: each unit's seed from it stays in torch's range
@@ -80,19 +80,19 @@ class Config:
             self.io = _build(IOConfig, self.io, "io")
         check_fields(self)
         if self.stage not in (1, 2, 3):
-            raise ValueError(f"stage={self.stage!r}: use 1, 2 or 3.")
+            raise ValueError(f"stage={quoted(self.stage)}: use 1, 2 or 3.")
         for key in ("offload_params", "offload_optimizer"):
             if getattr(self, key) not in OFFLOADS:
-                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {', '.join(OFFLOADS)}.")
+                raise ValueError(f"{key}={quoted(getattr(self, key))}: use one of {', '.join(OFFLOADS)}.")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1 and 2 keep whole "
                              "parameters on every rank); set stage=3 or offload_params='none'.")
         if "nvme" in (self.offload_params, self.offload_optimizer) and not self.nvme_dir:
             raise ValueError("nvme_dir is required when offload_params or offload_optimizer is 'nvme'.")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
+            raise ValueError(f"dtype={quoted(self.dtype)}: use one of {', '.join(DTYPES)}.")
         if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype={self.state_dtype!r}: use one of {', '.join(STATE_DTYPES)}.")
+            raise ValueError(f"state_dtype={quoted(self.state_dtype)}: use one of {', '.join(STATE_DTYPES)}.")
         if not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
             raise ValueError(f"prefetch_depth={self.prefetch_depth}: must be between 0 and {MAX_PREFETCH_DEPTH} "
                              "units ahead (2 is the default; more than a model's units ahead prefetches nothing more).")
@@ -104,18 +104,19 @@ class Config:
             raise ValueError(f"grad_clip={self.grad_clip}: must be a finite number > 0, or 0 or None for no clipping.")
         for key in ("device_budget", "host_budget"):
             v = getattr(self, key)
-            if v is not None and v <= 0:
-                raise ValueError(f"{key}={v}: must be a positive number of bytes, or None to derive it.")
+            if v is not None and not 0 < v <= MOST_BYTES:
+                raise ValueError(f"{key}={quoted(v)}: must be a positive number of bytes up to "
+                                 f"{human_bytes(MOST_BYTES)}, or None to derive it.")
         if self.sub_group_size < MIN_SUB_GROUP_SIZE:
             raise ValueError(f"sub_group_size={self.sub_group_size}: must be at least {MIN_SUB_GROUP_SIZE} elements.")
         if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
             raise ValueError(f"collective_timeout={self.collective_timeout}: must be a finite number of seconds > 0.")
         _check_optimizer(self.optimizer)
         if self.quantize not in QUANTIZE:
-            raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(map(repr, QUANTIZE))}.")
+            raise ValueError(f"quantize={quoted(self.quantize)}: use one of {', '.join(map(repr, QUANTIZE))}.")
         if self.quantize_double and self.quantize in (None, "int8"):
             raise ValueError(f"quantize_double=True quantizes the scales of 4-bit weights, and quantize is "
-                             f"{self.quantize!r}: set quantize='nf4' or 'fp4' too, or leave quantize_double off.")
+                             f"{quoted(self.quantize)}: set quantize='nf4' or 'fp4' too, or leave quantize_double off.")
 
     # -- readers ----------------------------------------------------------------------------------
 
@@ -156,6 +157,10 @@ class Config:
             raise
         if not isinstance(data, dict):
             raise ValueError(f"config {path!r} must hold a mapping of settings.")
+        for key, value in data.items():
+            if _expands_past(value, _MOST_FILE_VALUES):
+                raise ValueError(f"config {path!r}: {key!s:.80} holds more than {_MOST_FILE_VALUES:,} values (a YAML "
+                                 "alias repeats what it names); a setting is a few values: write it out.")
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,11 +218,30 @@ def _build(cls, data: dict[str, Any], what: str):
                 data[key] = parse(data[key])
             except ValueError as e:
                 where = "" if what == "config" else f"{what}."  # as the kind checks name a key
-                raise ValueError(f"{where}{key}={data[key]!r}: {e}.") from None
+                raise ValueError(f"{where}{key}={quoted(data[key])}: {e}.") from None
     try:
         return cls(**data)
     except TypeError as e:
         raise ValueError(f"{what}: {e}") from e
+
+
+_MOST_FILE_VALUES = 10_000  # values one setting of a file may expand to; a YAML alias bomb is billions
+
+
+def _expands_past(value: Any, most: int) -> bool:
+    """Whether `value` (parsed file data) holds more than `most` values, counted as expanded, in time
+    bounded by `most`: YAML aliases share one object many times over, which a walk would visit in full."""
+    stack, seen = [value], 0
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if seen > most:
+            return True
+        if isinstance(item, dict):
+            stack += list(item.keys()) + list(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return False
 
 
 def _yaml_problem(error: Exception) -> str:

@@ -8,6 +8,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from outcore.offload.typed_fields import quoted
+
 
 def _finite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -16,7 +18,7 @@ def _finite(value: Any) -> bool:
 def check_lr(value: Any, where: str) -> float:
     """`value` as a learning rate (a finite number >= 0; 0 is a frozen step), or a ValueError naming `where`."""
     if not (_finite(value) and value >= 0):
-        raise ValueError(f"{where}={value!r}: a learning rate must be a finite number >= 0.")
+        raise ValueError(f"{where}={quoted(value)}: a learning rate must be a finite number >= 0.")
     return float(value)
 
 
@@ -27,7 +29,7 @@ def check_hyperparameters(hp: Mapping[str, Any], where: str) -> None:
         check_lr(hp["lr"], f"{where}.lr")
     for key in ("eps", "weight_decay"):
         if key in hp and not (_finite(hp[key]) and hp[key] >= 0):
-            raise ValueError(f"{where}.{key}={hp[key]!r}: must be a finite number >= 0.")
+            raise ValueError(f"{where}.{key}={quoted(hp[key])}: must be a finite number >= 0.")
     betas = hp.get("betas", (0.9, 0.999))
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)):
-        raise ValueError(f"{where}.betas={betas!r}: must be two numbers in [0, 1), e.g. (0.9, 0.95).")
+        raise ValueError(f"{where}.betas={quoted(betas)}: must be two numbers in [0, 1), e.g. (0.9, 0.95).")

@@ -9,18 +9,33 @@ _BINARY = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 <<
            "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
 
+MOST_BYTES = 1 << 60  # 1 EiB: no machine holds more; a larger size is a typo
+
+
 def parse_size(text: str) -> int:
-    """'4G' -> 4294967296 (binary multiples); raises ValueError with the accepted forms."""
+    """'4G' -> 4294967296 (binary multiples; a fraction of a unit is rounded down to whole bytes);
+    raises ValueError with the accepted forms."""
     s = text.strip().upper()
     num = s.rstrip("KMGTIB")
     unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = math.nan
+    value = _number(num)
     if unit not in _BINARY or not math.isfinite(value) or value < 0:
         raise ValueError(f"{text!r} is not a size; write e.g. 4096, 128K, 8M or 4G")
+    if value * _BINARY[unit] > MOST_BYTES:
+        raise ValueError(f"{text!r} is past any machine's memory or disk (at most {human_bytes(MOST_BYTES)})")
+    if _BINARY[unit] == 1 and value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes; write e.g. 512 or 0.5K")
     return int(value * _BINARY[unit])
+
+
+def _number(text: str) -> float:
+    """A number as written in ASCII (Python's float() also takes other scripts' digits, '٢٥٦'), or nan."""
+    if not text.isascii() or "_" in text:
+        return math.nan
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 _COUNT_UNITS = (("", 1), ("K", 10**3), ("M", 10**6), ("B", 10**9), ("T", 10**12))  # as counts are written
@@ -32,10 +47,7 @@ def parse_count(text: str) -> int:
     """'13B' -> 13_000_000_000, '125M' -> 125_000_000 (decimal: parameter counts, not bytes)."""
     s = text.strip().upper().replace("_", "")
     unit = s[-1:] if s[-1:] in _COUNT and s[-1:] else ""
-    try:
-        value = float(s[: len(s) - len(unit)])
-    except ValueError:
-        value = math.nan
+    value = _number(s[: len(s) - len(unit)])
     if not math.isfinite(value):
         raise ValueError(f"{text!r} is not a count; write e.g. 125M, 1.3B or 13B")
     if value <= 0:

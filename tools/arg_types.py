@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 from outcore.runtime.sizes import human_count, parse_count, parse_size
 
-__all__ = ["human_count", "int_in", "non_negative_float", "non_negative_int", "parse_count", "parse_list",
-           "parse_size", "positive_float", "positive_int"]
+MOST_STEPS = 10**9  # a billion optimizer steps: centuries at any step time; a larger count is a typo
+
+__all__ = ["MOST_STEPS", "human_count", "int_in", "non_negative_float", "non_negative_int", "parse_count",
+           "parse_list", "parse_size", "positive_float", "positive_int", "step_count"]
 
 
 def parse_list(text: str, parse=int) -> list:
@@ -24,6 +26,11 @@ def parse_list(text: str, parse=int) -> list:
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     return _ranged(text, int, lambda v: v >= 1, "a whole number of at least 1")
+
+
+def step_count(text: str) -> int:
+    """An argparse type: a number of steps, at least 1 and at most MOST_STEPS."""
+    return _ranged(text, int, lambda v: 1 <= v <= MOST_STEPS, f"a whole number from 1 to {MOST_STEPS:,}")
 
 
 def non_negative_int(text: str) -> int:
@@ -51,6 +58,8 @@ def non_negative_float(text: str) -> float:
 
 def _ranged(text: str, kind, ok, what: str):
     try:
+        if not text.isascii():  # int() and float() also read other scripts' digits ('٢٥٦')
+            raise ValueError(text)
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None

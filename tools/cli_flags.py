@@ -19,6 +19,7 @@ from outcore.tools.arg_types import (
     parse_size,
     positive_float,
     positive_int,
+    step_count,
 )
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
 from outcore.tools.lr_schedules import DEFAULT_MIN_LR_RATE, SCHEDULES
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--merge-adapters", action="store_true", help="with --lora: besides OUT/adapters, export OUT/model, "
                    "the model with the adapters merged into its weights (from_pretrained loads it alone)")
     t.add_argument("--config", help="an outcore.Config file (.json/.yaml/.toml), e.g. from `outcore tune`")
-    t.add_argument("--steps", type=positive_int, help="optimizer steps; with --epochs, the most it may take "
+    t.add_argument("--steps", type=step_count, help="optimizer steps; with --epochs, the most it may take "
                    "(default: 300 for tiny, 1000 for the other presets, 100 with --model)")
     t.add_argument("--epochs", type=positive_float, metavar="E", help="train E passes over the training rows "
                    "(E x rows / (batch x accumulate x ranks) steps, rounded up), capped by --steps")
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--config", required=True, help="the starting outcore.Config file (its budgets are the limits)")
     u.add_argument("--model", default="tiny", help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model "
                    "directory (its weights; random token ids) or module:factory (default tiny)")
-    u.add_argument("--steps", type=positive_int, default=3, help="timed steps per candidate, after one warm-up "
+    u.add_argument("--steps", type=step_count, default=3, help="timed steps per candidate, after one warm-up "
                    "step (default 3)")
     u.add_argument("--batch", type=positive_int, default=1, help="sequences per step (default 1)")
     u.add_argument("--seq", type=positive_int, help="context length (default: the preset's)")

@@ -27,6 +27,7 @@ from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
 from outcore.tools.activations import activation_rows, preflight
+from outcore.tools.arg_types import MOST_STEPS
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
 from outcore.tools.lr_schedules import Schedule, warmup_steps
@@ -106,7 +107,12 @@ def run_steps(opts: TrainOptions, job: Job) -> int:
     per_step = opts.batch * (opts.accumulate or 1) * world
     rows = job.train.corpus.row_count(job.seq)
     steps = max(1, math.ceil(opts.epochs * rows / per_step))
-    return min(steps, opts.steps) if opts.steps else steps
+    if opts.steps:
+        return min(steps, opts.steps)
+    if steps > MOST_STEPS:
+        raise ValueError(f"--epochs {opts.epochs:g} is {steps:,} steps of {per_step} rows over {rows:,} rows: more "
+                         f"than {MOST_STEPS:,}; give fewer epochs, or --steps.")
+    return steps
 
 
 def evaluate(engine: runtime.Engine, job: Job, held_out: Data, batches: int, device: torch.device) -> float:
