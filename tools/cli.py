@@ -97,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
                                           world=int(os.environ.get("WORLD_SIZE", "1")))
                 args = argparse.Namespace(**values)
                 for change in changes:
-                    print(f"outcore train: resumed with {change}", flush=True)
+                    _console(f"outcore train: resumed with {change}")
         except NoCheckpointError:
             raise UsageError(f"--resume: no checkpoint in {checkpoints!r} yet; run without --resume first, or point "
                              "--out at the earlier run.") from None
@@ -112,7 +112,7 @@ def _train(args: argparse.Namespace) -> int:
     # the Hugging Face Trainer log on the main process only. An error is said by each rank it hits.
     main_rank = int(os.environ.get("RANK", "0")) == 0
     try:
-        summary = train(opts, report=(lambda line: print(line, flush=True)) if main_rank else (lambda line: None))
+        summary = train(opts, report=_console if main_rank else (lambda line: None))
     except ValueError as e:
         raise UsageError(str(e)) from None
     if main_rank:
@@ -124,6 +124,20 @@ def _train(args: argparse.Namespace) -> int:
                   f"{summary['steps']}; {stopped['resume']}", file=sys.stderr)
         return stopped["exit_code"]
     return EXIT_OK
+
+
+def _console(line: str) -> None:
+    """A line of the run's on stdout. A reader that left (`outcore train ... | head -1`) does not stop
+    the run: it goes on, said once on stderr, its rows in OUT/log.jsonl and its checkpoints as asked."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # later lines, and the exit's flush, go nowhere
+        try:
+            print("outcore train: stdout was closed; the run goes on, its progress in OUT/log.jsonl", file=sys.stderr,
+                  flush=True)
+        except OSError:
+            pass
 
 
 def train_options(args: argparse.Namespace) -> Any:
