@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from outcore.hf.config_sizes import check_sizes
 from outcore.hf.model_info import parameter_adapters
 from outcore.runtime.materialize import deferred_init
 
@@ -54,14 +55,17 @@ class HFModel:
 
         try:
             config = AutoConfig.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"--model {self.directory!r}: its config.json does not load ({first}).") from e
+        except Exception as e:  # noqa: BLE001 - OSError, ValueError, huggingface_hub's strict field checks
+            if isinstance(e, MemoryError):
+                raise
+            said = " ".join(str(e).split()) or type(e).__name__
+            raise ValueError(f"--model {self.directory!r}: its config.json does not load ({said[:300]}).") from e
         for key, value in self.config_overrides:
             if not hasattr(config, key):
                 raise ValueError(f"model_init_kwargs {key}={value!r}: not a setting of {type(config).__name__} "
                                  f"({self.directory}), nor one outcore takes.")
             setattr(config, key, value)
+        check_sizes(config, self.directory)
         return config
 
     def build(self) -> nn.Module:
