@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from outcore.hf.config_sizes import check_sizes
+from outcore.hf.declared_quantization import check_declared
 from outcore.hf.model_info import parameter_adapters
 from outcore.runtime.materialize import deferred_init
 
@@ -66,6 +67,7 @@ class HFModel:
                                  f"({self.directory}), nor one outcore takes.")
             setattr(config, key, value)
         check_sizes(config, self.directory)
+        check_declared(self.directory, config)
         return config
 
     def build(self) -> nn.Module:

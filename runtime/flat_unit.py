@@ -251,7 +251,7 @@ class FlatUnit:
             if self.group.world > 1:
                 raw = torch.empty(self.quantized.padded, dtype=torch.uint8, device=piece.device)
                 all_gather_chunk(raw, piece, self.quantized.shard, 0, self.quantized.shard, self.group)
-            self.quantized.decode_into(raw, full, self.layout.offsets)
+            self.quantized.decode_into(raw, full, self.layout.offsets, self.plan.slots)
         finally:
             self.store.release(self.param_key)
 

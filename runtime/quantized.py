@@ -23,7 +23,7 @@ same weights and settings give the same bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,14 @@ def _bnb():  # imported where used: bitsandbytes is the `qlora` extra
         raise ImportError("Config.quantize needs bitsandbytes (>= 0.46 runs on the CPU): pip install "
                           "'outcore[qlora]'.") from e
     return functional
+
+
+def code_table(kind: str) -> torch.Tensor:
+    """bitsandbytes' fixed code table (fp32, on the CPU): "nf4" or "fp4" (16 values), or "dynamic",
+    the 256 values of the nested scales under double quantization."""
+    if kind == "dynamic":
+        return _bnb().create_dynamic_map(signed=True).float()
+    return _bnb().get_4bit_type(kind, device="cpu").float()
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,14 @@ class QuantizedWeight:
         parts["nested_code"].view(torch.float32).copy_(state.state2.code.float())
         return float(state.offset)
 
+    def scales(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fp32 scales among the stored bytes `raw`, by the name bitsandbytes saves them under:
+        one that is not finite makes the weight's values NaN or inf."""
+        parts = self._split(raw)
+        name = {"int8": "row_absmax"}.get(self.kind, "nested_absmax" if self.double else "absmax")
+        saved = {"row_absmax": "SCB", "nested_absmax": "nested_absmax", "absmax": "absmax"}[name]
+        return {saved: parts[name].view(torch.float32)}
+
     def decode(self, raw: torch.Tensor, dtype: torch.dtype, offset: float | None) -> torch.Tensor:
         """The weight's values (this shape, `dtype`) from its stored bytes, on `raw`'s device."""
         parts = self._split(raw)
@@ -182,13 +198,22 @@ class QuantizedLayout:
                 out[at : at + numel * dtype.itemsize].view(dtype).copy_(value.reshape(-1).to(dtype))
         return out
 
-    def decode_into(self, raw: torch.Tensor, flat: torch.Tensor, flat_offsets: tuple[int, ...]) -> None:
-        """Every parameter from the unit's stored bytes `raw` into its place in `flat`."""
-        for part, at, numel, to, dtype, offset in zip(self.parts, self.offsets, self.numels, flat_offsets,
-                                                       self.plain_dtypes, self.scale_offsets, strict=True):
+    def decode_into(self, raw: torch.Tensor, flat: torch.Tensor, flat_offsets: tuple[int, ...],
+                    slots: Sequence[ParamSlot]) -> None:
+        """Every parameter from the unit's stored bytes `raw` into its place in `flat`; ValueError naming
+        the parameter (`slots`, in layout order) whose stored scales are not finite: its values would not be."""
+        for index, (part, at, numel, to, dtype, offset) in enumerate(zip(
+                self.parts, self.offsets, self.numels, flat_offsets, self.plain_dtypes, self.scale_offsets, strict=True)):
             target = flat[to : to + numel]
             if part is not None:
-                target.copy_(part.decode(raw[at : at + part.nbytes], flat.dtype, offset).reshape(-1))
+                stored = raw[at : at + part.nbytes]
+                for name, scales in part.scales(stored).items():
+                    if not bool(torch.isfinite(scales).all()):
+                        raise ValueError(f"the frozen base's {(slots[index].state_dict_names or ['?'])[0]}: its stored "
+                                         f"{name} holds NaN or inf, so its values would; the base's files (or the "
+                                         "weights quantized from them) are damaged: mend or replace them. Training "
+                                         "is not at fault.")
+                target.copy_(part.decode(stored, flat.dtype, offset).reshape(-1))
             else:
                 target.copy_(raw[at : at + numel * dtype.itemsize].view(dtype))
 

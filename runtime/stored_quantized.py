@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from outcore.runtime.quantized import BLOCK, NESTED_BLOCK, QuantizedWeight
+from outcore.runtime.quantized import BLOCK, NESTED_BLOCK, QuantizedWeight, code_table
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ def stored_quantized(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
                              f"{state.get('blocksize')}: outcore reads bitsandbytes' 4-bit nf4 and fp4 in blocks of "
                              f"{BLOCK} (nested {NESTED_BLOCK}), as transformers saves them.")
         double = name + _PARTS["nested_absmax"] in tensors
-        weight = QuantizedWeight(tuple(int(d) for d in state["shape"]), kind, double)
+        weight = QuantizedWeight(_shape(state, state_tensor), kind, double)
+        offset = _offset(state, state_tensor) if double else None
         parts = {}
         for part, _, nbytes in weight.parts():
             stored = tensors.pop(name + _PARTS[part], None)
@@ -65,7 +67,8 @@ def stored_quantized(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
                                  + f" {name + _PARTS[part]!r} (expected {nbytes} bytes): the file is not as "
                                  "bitsandbytes saves a 4-bit layer.")
             parts[part] = stored
-        out[name] = StoredQuantized(weight, parts, float(state["nested_offset"]) if double else None)
+        _check_tables(name, kind, parts)
+        out[name] = StoredQuantized(weight, parts, offset)
     return out
 
 
@@ -107,3 +110,33 @@ def _state(stored: Any) -> dict:
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"{stored.file!r}: {stored.key!r} is not bitsandbytes' saved state ({e}).") from None
 
+
+
+def _shape(state: dict, stored: Any) -> tuple[int, ...]:
+    shape = state.get("shape")
+    if not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ValueError(f"{stored.file!r}: {stored.key!r} gives the shape {shape!r}; bitsandbytes saves a list of "
+                         "positive sizes. The file is damaged: save the model again.")
+    return tuple(shape)
+
+
+def _offset(state: dict, stored: Any) -> float:
+    offset = state.get("nested_offset")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"{stored.file!r}: {stored.key!r} gives the nested scales' offset {offset!r}; bitsandbytes "
+                         "saves a finite number under double quantization. The file is damaged: save the model again.")
+    return float(offset)
+
+
+def _check_tables(name: str, kind: str, parts: dict[str, Any]) -> None:
+    """The code tables are fixed (NF4's or FP4's 16 values, the nested scales' 256): a stored one that
+    differs (zeros) would decode every weight of the layer wrongly, without an error."""
+    for part, table in (("code", kind), ("nested_code", "dynamic")):
+        stored = parts.get(part)
+        if stored is None:
+            continue
+        values = torch.frombuffer(bytearray(_read(stored)), dtype=torch.float32)
+        if not torch.equal(values, code_table(table)):
+            raise ValueError(f"{stored.file!r}: {stored.key!r} is not bitsandbytes' {table} code table (it holds "
+                             f"{values[:4].tolist()}...): every weight of {name!r} would decode wrongly. The file is "
+                             "damaged: save the model again.")
