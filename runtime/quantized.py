@@ -202,8 +202,9 @@ class QuantizedLayout:
                     slots: Sequence[ParamSlot]) -> None:
         """Every parameter from the unit's stored bytes `raw` into its place in `flat`; ValueError naming
         the parameter (`slots`, in layout order) whose stored scales are not finite: its values would not be."""
-        for index, (part, at, numel, to, dtype, offset) in enumerate(zip(
-                self.parts, self.offsets, self.numels, flat_offsets, self.plain_dtypes, self.scale_offsets, strict=True)):
+        for index, (part, at, numel, to, dtype, offset) in enumerate(zip(self.parts, self.offsets, self.numels,
+                                                                         flat_offsets, self.plain_dtypes,
+                                                                         self.scale_offsets, strict=True)):
             target = flat[to : to + numel]
             if part is not None:
                 stored = raw[at : at + part.nbytes]

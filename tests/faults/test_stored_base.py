@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "runtime"))
 from hf_models import STORY, save_model, save_tokenizer  # noqa: E402
 
 WEIGHT = "model.layers.0.mlp.up_proj.weight"
+ADAPTED = "base_model.model.model.layers.0.mlp.up_proj.base_layer.weight"  # the same weight under peft
 
 
 def _quantized(tmp_path_factory, name, q):
@@ -88,7 +89,7 @@ def _set(key_suffix, value):
     (_state_edited(lambda s: s.update(nested_offset=float("nan"))), "gives the nested scales' offset nan"),
     (_state_edited(lambda s: s.pop("shape")), "gives the shape None"),
     (_state_edited(lambda s: s.update(shape=32)), "gives the shape 32"),
-    (_set(".nested_absmax", float("nan")), "the frozen base's base_model.model.model.layers.0.mlp.up_proj.base_layer.weight: its stored nested_absmax holds NaN or inf"),
+    (_set(".nested_absmax", float("nan")), f"the frozen base's {ADAPTED}: its stored nested_absmax holds NaN or inf"),
 ], ids=["quant_map", "nested_quant_map", "no_offset", "offset_text", "offset_nan", "no_shape", "shape_int",
         "nested_absmax_nan"])
 def test_a_damaged_nf4_layer_is_refused_naming_its_tensor(nf4_dir, tmp_path, capsys, change, said):
@@ -103,7 +104,7 @@ def test_nan_in_an_int8_layer_s_row_scales_names_the_tensor(int8_dir, tmp_path, 
     code, err = _train(_copy_with(int8_dir, tmp_path / "bad", _set_module(module + ".SCB", float("nan"))), tmp_path,
                        capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "base's base_model.model.model.layers.0.mlp.up_proj.base_layer.weight: its stored SCB holds NaN" in err and "diverged" not in err
+    assert f"base's {ADAPTED}: its stored SCB holds NaN" in err and "diverged" not in err
 
 
 def _set_module(key, value):
@@ -115,7 +116,8 @@ def _set_module(key, value):
 @pytest.mark.slow
 @pytest.mark.parametrize("declared, said", [
     ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": True}, "says fp4 with double"),
-    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False}, "says nf4, and its weights files hold nf4 with double"),
+    ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False},
+     "says nf4, and its weights files hold nf4 with double"),
     ({"load_in_8bit": True}, "says int8, and its weights files hold nf4 with double quantization"),
 ])
 def test_a_quantization_config_that_disagrees_with_the_files_is_refused(nf4_dir, tmp_path, capsys, declared, said):
