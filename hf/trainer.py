@@ -55,6 +55,7 @@ from outcore.hf.trained_model import answer_through_engine
 from outcore.hf.trainer_backend import EngineBackend
 from outcore.hf.trainer_checkpoint import new_run_id
 from outcore.hf.trainer_model import built_class, draw_new_head
+from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.config import Config
 from outcore.runtime.engine import Engine
 from outcore.runtime.optimizer import AdamW
@@ -217,7 +218,16 @@ class OutcoreTrainerMixin:
             for note in filter(None, notes):
                 print(note, file=sys.stderr)
         at_start, step = self.engine.stats(), self.engine.global_step
-        result = super().train(*args, **kwargs)  # type: ignore[misc]
+        # output_dir is this trainer's while it trains: another trainer on it (in this process too) is
+        # refused before it writes a checkpoint-N, and after train() it is free again for the next one.
+        os.makedirs(self.args.output_dir, exist_ok=True)  # type: ignore[attr-defined]
+        held = DirectoryLock(self.args.output_dir, self.engine.group.rank,  # type: ignore[attr-defined]
+                             what="output_dir", prefix=".outcore-trainer-")
+        try:
+            result = super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            held.release(remove=True)
+            self.engine.sharded.writer_lock.release()  # the checkpoint-N it saved into last
         if said:
             print(end_line(self.engine, self.engine.global_step - step, at_start), file=sys.stderr)
         return result

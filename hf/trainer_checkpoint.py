@@ -61,10 +61,18 @@ def check_resumable(checkpoint: str) -> str:
     incomplete folder the newest complete one before it."""
     engine_dir = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
     if not os.path.isdir(engine_dir):
-        only_model = os.path.isfile(os.path.join(checkpoint, "config.json"))
-        why = ("was saved with save_only_model=True: it holds the model, not the optimizer states a resume needs; "
-               "start a new run from it (model= that folder)" if only_model else
-               f"holds no outcore checkpoint ({CHECKPOINT_SUBDIR}/)")
+        def has(*names: str) -> bool:
+            return any(os.path.isfile(os.path.join(checkpoint, name)) for name in names)
+
+        if has("optimizer.pt", "optimizer.bin", "scheduler.pt"):  # what transformers.Trainer itself saves
+            why = ("is a plain Trainer's checkpoint (its optimizer.pt holds torch's optimizer, not outcore's sharded "
+                   "states): outcore cannot continue it. Start a new run from its weights (model= that folder), or "
+                   "resume it with the plain trainer")
+        elif has("config.json", "adapter_config.json"):
+            why = ("was saved with save_only_model=True: it holds the model, not the optimizer states a resume "
+                   "needs; start a new run from it (model= that folder)")
+        else:
+            why = f"holds no outcore checkpoint ({CHECKPOINT_SUBDIR}/)"
         raise ValueError(f"resume_from_checkpoint={checkpoint!r} {why}{_previous_hint(checkpoint)}.")
     try:
         meta = read_meta(find_checkpoint(engine_dir))

@@ -1,10 +1,10 @@
 """The NVMe directory a run pages into: its own, private, and not shared with a live run.
 
 - Created with mode 0700 when missing (and the folders made for it removed again if that fails
-  midway). One that exists keeps its mode: outcore changes no folder it did not create. Where
-  others may write (a shared `/tmp`-like folder), the files go in a private subfolder,
-  `outcore-<uid>`, said once. One owned by another user, and a symbolic link another user made,
-  are refused.
+  midway, or once the swap files are removed and they are left empty: `remove_made`). One that
+  exists keeps its mode: outcore changes no folder it did not create. Where others may write (a
+  shared `/tmp`-like folder), the files go in a private subfolder, `outcore-<uid>`, said once. One
+  owned by another user, and a symbolic link another user made, are refused.
 - Each rank holds an advisory lock (`flock`) on `rank<R>.lock` for as long as its store is open,
   with its pid written inside. A second live run on the same directory and rank meets one clear
   error naming the directory and the holder's pid. A dead run's lock dies with its process, so the
@@ -23,6 +23,8 @@ import stat
 from outcore.offload.errors import StorageError
 
 log = logging.getLogger(__name__)
+
+_made: dict[str, list[str]] = {}  # a directory this process made -> the folders made for it, innermost first
 
 
 def prepare_directory(directory: str) -> str:
@@ -67,6 +69,8 @@ def _make_folders(directory: str) -> None:
                     raise
                 continue
             made.append(path)
+        if made:
+            _made[directory] = list(reversed(made))
     except OSError as e:
         for path in reversed(made):
             try:
@@ -75,6 +79,16 @@ def _make_folders(directory: str) -> None:
                 break
         raise StorageError(f"cannot create nvme_dir {directory[:200]!r}: {e.strerror}. Name a writable directory "
                            "(and a shorter path, if it is too long).") from e
+
+
+def remove_made(directory: str) -> None:
+    """Remove the folders `prepare_directory` made for `directory` where they are left empty (a run
+    that failed to start, or whose swap files are gone): a folder given and never used is not left behind."""
+    for path in _made.pop(os.path.abspath(directory), []):
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (another rank's files, the user's own): it stays, and so do those above
+            break
 
 
 _said_private: set[str] = set()
@@ -132,7 +146,9 @@ class DirectoryLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             self._fd = None
-            raise StorageError(f"{what} {directory!r} is in use by another live run (pid {holder}, rank {rank}); "
+            who = ("another engine or trainer of this process, still open" if holder == str(os.getpid()) else
+                   "another live run")
+            raise StorageError(f"{what} {directory!r} is in use by {who} (pid {holder}, rank {rank}); "
                                f"give each run its own {what}.") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)

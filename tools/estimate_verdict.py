@@ -32,6 +32,7 @@ class Machine:
     gpu_bytes: int
     nvme_dir: str
     nvme_free: int
+    nvme_made_in: str | None = None  # where --nvme-dir would be made, when it does not exist yet
 
     @classmethod
     def detect(cls, nvme_dir: str) -> Machine:
@@ -44,13 +45,17 @@ class Machine:
         where = os.path.abspath(nvme_dir)
         while not os.path.exists(where):  # a folder the run would make: its disk is its parent's
             where = os.path.dirname(where)
+        made_in = None if where == os.path.abspath(nvme_dir) else where
         return cls(psutil.virtual_memory().total, available_memory(), gpu, gpu_bytes, nvme_dir,
-                   shutil.disk_usage(where).free)
+                   shutil.disk_usage(where).free, made_in)
 
     def describe(self) -> str:
         gpu = f"GPU {self.gpu} ({human_bytes(self.gpu_bytes)})" if self.gpu else "no GPU"
         return (f"this machine: {human_bytes(self.ram_available)} of {human_bytes(self.ram_total)} RAM available, "
-                f"{gpu}, {human_bytes(self.nvme_free)} free where --nvme-dir {self.nvme_dir} lies")
+                f"{gpu}, " + (f"{human_bytes(self.nvme_free)} free where --nvme-dir {self.nvme_dir} lies"
+                              if self.nvme_made_in is None else
+                              f"--nvme-dir {self.nvme_dir} does not exist yet (a run makes it, in {self.nvme_made_in}, "
+                              f"where {human_bytes(self.nvme_free)} are free)"))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ old index.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from outcore.runtime.formats.written_files import link_tree, nearest_existing, r
 
 WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """The files of a Hugging Face directory's weights, as ShardedSafetensorsWriter names them."""
+
+log = logging.getLogger(__name__)
 
 # Names a user means as one file but that would become a directory: the export writes safetensors only.
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".safetensor")
@@ -80,6 +83,8 @@ def export_target(out: str) -> Iterator[str]:
             raise StorageError(f"export {out!r}: writing {e.filename or tmp!r} failed: {e.strerror}. What was "
                                f"written is removed and {out!r} is as it was; {todo}.") from e
         if one_file:
+            if os.path.lexists(out):
+                log.warning("export %s: replaced the file that was there", out)
             os.replace(tmp, out)  # over a link, the link itself is replaced: nothing is followed
         elif not os.path.lexists(out):
             os.rename(tmp, out)
@@ -96,8 +101,10 @@ def _carry_over(out: str, tmp: str) -> None:
     it wrote a model's weights, the weight files of an earlier export that the new ones replace."""
     written = set(os.listdir(tmp))
     drop_weights = any(WEIGHT_FILE.fullmatch(n) for n in written)
+    replaced = []
     for name in os.listdir(out):
         if name in written or (drop_weights and WEIGHT_FILE.fullmatch(name)):
+            replaced.append(name)
             continue
         try:
             link_tree(os.path.join(out, name), os.path.join(tmp, name))
@@ -105,6 +112,9 @@ def _carry_over(out: str, tmp: str) -> None:
             raise OSError(e.errno, f"export {out!r} replaces that folder whole, and cannot carry "
                           f"{os.path.join(out, name)!r} over into the new one ({e.strerror}); export into a new "
                           "directory, or move that away", e.filename) from e
+    if replaced:
+        shown = ", ".join(sorted(replaced)[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
+        log.warning("export %s: replaced what the folder held under the names it writes: %s", out, shown)
 
 
 def _remove(path: str) -> None:
