@@ -110,3 +110,23 @@ def hashed_by_files(trainer: type, weights: str | None) -> Iterator[None]:
     finally:
         for m, original in saved:
             m.hash_module = original  # type: ignore[attr-defined]
+
+
+def check_reference_vocabulary(model: nn.Module, reference: Any) -> None:
+    """A `ref_model=` whose vocabulary is not the policy's: its log-probabilities index other tokens
+    (or fail mid-step on a shape); refused naming both sizes."""
+    if not isinstance(reference, nn.Module):
+        return
+    ours, theirs = _vocabulary(model), _vocabulary(reference)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ValueError(f"ref_model= has a vocabulary of {theirs:,} tokens and the model {ours:,}: the reference "
+                         "must score the same tokens. Give a reference built from the same tokenizer, or leave "
+                         "ref_model out (outcore reads the model's own starting weights as the reference).")
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return getattr(getattr(model, "config", None), "vocab_size", None)

@@ -38,17 +38,20 @@ import transformers
 from torch import nn
 
 from outcore.hf.adapter_init import draw_as_peft
+from outcore.hf.dataset_columns import check_columns
 from outcore.hf.generation import generates, generation_note, generation_refusals
 from outcore.hf.model_info import hf_checkpointing, is_peft
 from outcore.hf.model_init import ModelInit, compute_dtype, given_quantization, hidden_from_trainer, model_init
 from outcore.hf.quantization import quantized_config
 from outcore.hf.reference_model import (
+    check_reference_vocabulary,
     hashed_by_files,
     reference_built_from,
     reference_engine,
     takes_reference,
     wants_reference,
 )
+from outcore.hf.rewards import check_rewards
 from outcore.hf.run_report import dropout_note, end_line, start_line
 from outcore.hf.source import HFModel
 from outcore.hf.trained_model import answer_through_engine
@@ -126,6 +129,7 @@ class OutcoreTrainerMixin:
         said = refusals(args, kwargs) + (generation_refusals(args) if generates(type(self)) else [])
         if said:
             raise ValueError(f"{type(self).__name__}: {said[0]}")
+        check_columns(type(self), {k: kwargs.get(k) for k in ("train_dataset", "eval_dataset")})
         init = model_init(getattr(args, "model_init_kwargs", None))
         quantization = given_quantization(init, kwargs)
         weights, source = None, None
@@ -169,6 +173,7 @@ class OutcoreTrainerMixin:
 
         if wants_reference(super().__init__, kwargs, args, adapters=is_peft(model)):
             kwargs["ref_model"] = reference()
+        check_reference_vocabulary(model, kwargs.get("ref_model"))
         self._resume_from: str | None = None
         self._run_id = new_run_id()  # ties each checkpoint-N to this run (hf/trainer_checkpoint.py)
         self._last_stats: dict[str, Any] = {}
@@ -206,6 +211,14 @@ class OutcoreTrainerMixin:
             else:
                 self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
         self._deferred_precompute = []
+
+    # -- GRPO's and RLOO's rewards, checked -----------------------------------------------------------
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # type: ignore[misc]
+        said = self.__dict__.setdefault("_said_rewards", set())  # names said once
+        check_rewards(rewards, self.reward_func_names, said)  # type: ignore[attr-defined]
+        return rewards
 
     # -- the run, said -----------------------------------------------------------------------------
 

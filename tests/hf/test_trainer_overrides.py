@@ -16,7 +16,7 @@ OURS_ALONE = {"_calls_model_again", "_loss_scaled_for_window", "_precompute_defe
 
 
 def _theirs(name: str):
-    for cls in (transformers.Trainer, trl.DPOTrainer, trl.KTOTrainer):
+    for cls in (transformers.Trainer, trl.DPOTrainer, trl.KTOTrainer, trl.GRPOTrainer):
         if name in vars(cls):
             return cls, vars(cls)[name]
     return None, None
