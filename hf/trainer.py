@@ -233,9 +233,9 @@ class OutcoreTrainerMixin:
         at_start, step = self.engine.stats(), self.engine.global_step
         # output_dir is this trainer's while it trains: another trainer on it (in this process too) is
         # refused before it writes a checkpoint-N, and after train() it is free again for the next one.
-        os.makedirs(self.args.output_dir, exist_ok=True)  # type: ignore[attr-defined]
-        held = DirectoryLock(self.args.output_dir, self.engine.group.rank,  # type: ignore[attr-defined]
-                             what="output_dir", prefix=".outcore-trainer-")
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        held = DirectoryLock(self.args.output_dir, self.engine.group.rank, what="output_dir",
+                             prefix=".outcore-trainer-")
         try:
             result = super().train(*args, **kwargs)  # type: ignore[misc]
         finally:

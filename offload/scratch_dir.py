@@ -1,7 +1,7 @@
 """The NVMe directory a run pages into: its own, private, and not shared with a live run.
 
 - Created with mode 0700 when missing (and the folders made for it removed again if that fails
-  midway, or once the swap files are removed and they are left empty: `remove_made`). One that
+  midway, or when the run fails to start and leaves them empty: `remove_made`). One that
   exists keeps its mode: outcore changes no folder it did not create. Where others may write (a
   shared `/tmp`-like folder), the files go in a private subfolder, `outcore-<uid>`, said once. One
   owned by another user, and a symbolic link another user made, are refused.
@@ -82,8 +82,8 @@ def _make_folders(directory: str) -> None:
 
 
 def remove_made(directory: str) -> None:
-    """Remove the folders `prepare_directory` made for `directory` where they are left empty (a run
-    that failed to start, or whose swap files are gone): a folder given and never used is not left behind."""
+    """Remove the folders `prepare_directory` made for `directory` where they are left empty: a run
+    that failed to start (a disk full while the base is quantized) leaves no folder behind."""
     for path in _made.pop(os.path.abspath(directory), []):
         try:
             os.rmdir(path)
@@ -146,8 +146,8 @@ class DirectoryLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             self._fd = None
-            who = ("another engine or trainer of this process, still open" if holder == str(os.getpid()) else
-                   "another live run")
+            who = ("another live run of this process (an engine or trainer still open)"
+                   if holder == str(os.getpid()) else "another live run")
             raise StorageError(f"{what} {directory!r} is in use by {who} (pid {holder}, rank {rank}); "
                                f"give each run its own {what}.") from None
         os.ftruncate(self._fd, 0)

@@ -24,7 +24,7 @@ from outcore.offload.checksum import CHECKSUM_NAME, block_checksum
 from outcore.offload.errors import StorageCorruptError, StorageError, StorageFullError
 from outcore.offload.extents import Extent, ExtentAllocator
 from outcore.offload.io_engine import IOHandle, ShortIOError, open_io_file
-from outcore.offload.scratch_dir import DirectoryLock, open_private, prepare_directory, remove_made
+from outcore.offload.scratch_dir import DirectoryLock, open_private, prepare_directory
 
 GROW_STEP = 256 << 20  # the file doubles while small, then grows by this much: fallocate stays rare
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -196,8 +196,6 @@ class SwapFile:
                 if os.path.exists(p):
                     os.unlink(p)
         self._lock_file.release(remove=remove)
-        if remove:
-            remove_made(self.directory)
 
     def _ensure_capacity(self, end: int, step: int | None = None) -> None:
         """Grow the file to at least `end` bytes with real, allocated blocks (self._lock held)."""

@@ -31,13 +31,13 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
+from outcore.runtime import engine_start as start
 from outcore.runtime.checkpoint.base_files import base_files
 from outcore.runtime.checkpoint.sharded import load_checkpoint, save_checkpoint
 from outcore.runtime.checkpoint.sharded_model import ShardedModel
 from outcore.runtime.checkpoint.state_dict import export_model, full_state_dict
 from outcore.runtime.collectives import Group, init_group, rank_device
 from outcore.runtime.config import Config
-from outcore.runtime.engine_start import check_arguments, check_pretrained, lay_out_states, open_store, shapes_of
 from outcore.runtime.flat_unit import FlatUnit, Layout
 from outcore.runtime.gradient_path import GradientPath
 from outcore.runtime.hooks import register_hooks
@@ -82,7 +82,7 @@ class Engine:
                  device: str | torch.device | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  seed: int = 0, weights: str | os.PathLike | None = None,
                  lr_scheduler: SchedulerFactory | None = None) -> None:
-        check_arguments(model, config, optimizer, seed)
+        start.check_arguments(model, config, optimizer, seed)
         self.config, self.model = config, model
         self.device = rank_device(device)
         self.group: Group = init_group(self.device, config.collective_timeout)
@@ -99,14 +99,14 @@ class Engine:
         plans = plan_units(model, config.unit_classes, in_root=self.family.read_outside_forward())
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")
-        pretrained = check_pretrained(None if weights is None else os.fspath(weights), self.family, plans)
+        pretrained = start.check_pretrained(None if weights is None else os.fspath(weights), self.family, plans)
         layouts = [Layout.of(p, self.group.world, self.policy.elem) for p in plans]
         # frozen units stored quantized: runtime/quantized.py [Note: quantized frozen units]
         config = self.config = as_stored(config, pretrained)
         self._quantized = quantized_plans(plans, config, pretrained, self.family.kept_whole(), self.policy.torch_dtype,
                                           self.group.world)
-        self.store, self.place, read_ahead, self._owned_dir = open_store(
-            config, self.policy, self.device, self.group.rank, shapes_of(plans, self.policy, self._quantized),
+        self.store, self.place, read_ahead, self._owned_dir = start.open_store(
+            config, self.policy, self.device, self.group.rank, start.shapes_of(plans, self.policy, self._quantized),
             frozen_in_files=pretrained is not None)
         self.units = [FlatUnit(p, lay, self.policy, self.device, self.group, self.store)
                       for p, lay in zip(plans, layouts, strict=True)]
@@ -355,7 +355,7 @@ class Engine:
 
     def memory_plan(self) -> MemoryPlan:
         """Per-tier bytes of this rank (runtime/memory_plan.py): what the budgets are derived from."""
-        plan = plan_memory(shapes_of([u.plan for u in self.units], self.policy, self._quantized), self.policy,
+        plan = plan_memory(start.shapes_of([u.plan for u in self.units], self.policy, self._quantized), self.policy,
                            frozen_in_files=any(u.in_place is not None for u in self.units))
         return plan.placed(self.place.kept)
 
@@ -386,13 +386,10 @@ class Engine:
         """Materialize every unit into the store, then wire the hooks. A start that fails leaves no
         swap file filling the disk."""
         try:
-            lay_out_states(self.family, self.units, self.store, self.place, self.policy, self.device,
+            start.lay_out_states(self.family, self.units, self.store, self.place, self.policy, self.device,
                            self.group.rank, init_fn=init_fn, seed=seed, pretrained=pretrained)
         except BaseException:
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001 - the error that stopped the start is the one to see
-                log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
+            start.close_failed_start(self.close, self.config.nvme_dir)
             raise
         self.sharded.anchor(self.device, self.policy.torch_dtype)
         self.sharded.guard_state_dict()

@@ -23,7 +23,7 @@ from torch import nn
 from outcore.offload import StorageFullError, Tier, TieredStore
 from outcore.offload.file_source import FileSpan
 from outcore.offload.owned_dir import OwnedDir
-from outcore.offload.scratch_dir import prepare_directory
+from outcore.offload.scratch_dir import prepare_directory, remove_made
 from outcore.runtime.checkpoint.sharded_model import AnchorParameter
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
@@ -295,3 +295,14 @@ def _drop_module_parameters(unit: FlatUnit, policy: StatePolicy) -> None:
         else:
             unit.unshard()
         unit.bind_views()
+
+
+def close_failed_start(close: Callable[[], None], nvme_dir: str | None) -> None:
+    """After a start that failed: the engine closed (no swap file left filling the disk), and the
+    folders made for `nvme_dir` removed where that leaves them empty."""
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - the error that stopped the start is the one to see
+        log.warning("closing the store of an engine that failed to start also failed", exc_info=True)
+    if nvme_dir is not None:
+        remove_made(nvme_dir)

@@ -30,7 +30,8 @@ def positive_int(text: str) -> int:
 
 def step_count(text: str) -> int:
     """An argparse type: a number of steps, at least 1 and at most MOST_STEPS."""
-    return _ranged(text, int, lambda v: 1 <= v <= MOST_STEPS, f"a whole number from 1 to {MOST_STEPS:,}")
+    return _ranged(text, int, lambda v: 1 <= v <= MOST_STEPS,
+                   f"a whole number of at least 1 and at most {MOST_STEPS:,}")
 
 
 def non_negative_int(text: str) -> int:

@@ -200,7 +200,7 @@ def _checked(path: str, key: str, value: Any, actions: dict[str, argparse.Action
         if not isinstance(text, (str, int, float)) or isinstance(text, bool):
             raise wrong(f"not a value of {flag(key)}")
         try:
-            typed = action.type(str(text)) if action.type is not None else str(text)
+            typed = action.type(str(text)) if callable(action.type) else str(text)
         except (ValueError, argparse.ArgumentTypeError) as e:
             raise wrong(f"not what {flag(key)} takes ({e})") from None
         if action.choices is not None and typed not in action.choices:

@@ -48,8 +48,8 @@ def test_half_a_kilobyte_is_a_size():
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--steps", "1" + "0" * 30], "--steps: '1000000000000000000000000000000' is not a whole number from 1 to "
-     "1,000,000,000"),
+    (["--steps", "1" + "0" * 30], "--steps: '1000000000000000000000000000000' is not a whole number of at least 1 "
+     "and at most 1,000,000,000"),
     (["--steps", "٣"], "--steps: '٣' is not a whole number"),
     (["--batch", "٢"], "--batch: '٢' is not a whole number"),
 ])

@@ -116,8 +116,8 @@ def test_a_trainer_on_an_output_dir_in_use_is_refused_before_it_writes(tmp_path,
     (tmp_path / "out").mkdir()
     live = DirectoryLock(str(tmp_path / "out"), 0, what="output_dir", prefix=".outcore-trainer-")  # a training one
     b = _trainer(tmp_path, model_path, "out", "nvme-b", max_steps=2, save_strategy="steps", save_steps=1)
-    with pytest.raises(outcore.StorageError, match="is in use by another engine or trainer of this process, still "
-                                                   f"open \\(pid {os.getpid()}"):
+    with pytest.raises(outcore.StorageError, match="is in use by another live run of this process \\(an engine or "
+                                                   f"trainer still open\\) \\(pid {os.getpid()}"):
         b.train()
     assert sorted(os.listdir(tmp_path / "out")) == [".outcore-trainer-rank0.lock"]
     live.release(remove=True)
