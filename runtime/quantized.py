@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from outcore.runtime.frozen_in_place import UnitSpans
     from outcore.runtime.units import ParamSlot, UnitPlan
 
 BLOCK = 64  # elements a 4-bit scale covers (bitsandbytes' blocksize, as transformers loads QLoRA bases)
@@ -168,6 +169,9 @@ class QuantizedLayout:
     padded: int
     shard: int
     scale_offsets: list[float | None]
+    # Where a pre-quantized directory holds these bytes, once read as stored (one entry): a checkpoint
+    # records it, so that `outcore export` decodes them without an engine.
+    stored_in: list[UnitSpans] = field(default_factory=list)
 
     @classmethod
     def of(cls, shapes: list[tuple[int, ...]], quantized: list[bool], kind: str, double: bool,

@@ -83,7 +83,9 @@ def stored_spans(unit: FlatUnit, pretrained: PretrainedWeights) -> UnitSpans | N
         for name, within, nbytes in part.parts():
             tensor = saved.parts[name]
             spans.append(FileSpan(tensor.file, tensor.begin, torch.uint8, nbytes, at + within))
-    return UnitSpans(tuple(spans), {s.path: pretrained.stamps[s.path] for s in spans})
+    found = UnitSpans(tuple(spans), {s.path: pretrained.stamps[s.path] for s in spans})
+    q.stored_in[:] = [found]
+    return found
 
 
 def quantized_plans(plans: list[UnitPlan], config: Config, pretrained: PretrainedWeights | None, kept: set[nn.Module],

@@ -61,10 +61,6 @@ def export_checkpoint(path: str, out: str, *, tag: str | None = None, dtype: str
     check_export_path(out)
     folder = checkpoint_folder(path, tag)
     meta = read_export_meta(folder, verify=verify)
-    if any(u.get("quantized") for u in meta["units"]):
-        raise ValueError(f"checkpoint {folder!r} is of a run whose frozen base rested quantized (Config.quantize), "
-                         "which the checkpoint derives again from the base rather than holds; export from the "
-                         "engine instead (engine.export, or outcore train's own export at the end of the run).")
     check_export_path(out, protected_paths(meta) + ([os.path.join(meta["hf_source"], "config.json")]
                                                     if meta.get("hf_source") else []))
     dtype = dtype or meta["config"].get("dtype", "fp32")

@@ -40,38 +40,18 @@ from outcore.runtime.checkpoint.guard import (
     refuse_what_is_not_ours,
     sweep_dead_saves,
 )
+from outcore.runtime.checkpoint.layout_record import read_files, unit_layouts
 from outcore.runtime.checkpoint.shards import EXP_AVG, EXP_AVG_SQ, MASTER, CheckpointShards
 from outcore.runtime.collectives import barrier, gather_objects
 from outcore.runtime.formats.safetensors_stream import SafetensorsWriter, file_crc32
 from outcore.runtime.formats.written_files import create_file, unique_name
 from outcore.runtime.frozen_in_place import checksums
 from outcore.runtime.optimizer import ParamWriter
-from outcore.runtime.quantized import QuantizedLayout
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from outcore.runtime.checkpoint.sharded_model import ShardedModel
-
-def _layout(sm: ShardedModel) -> list[dict]:
-    """Each unit's split, and where each parameter sits in its flat buffer (what `outcore export`
-    needs to rebuild the model's tensors from the rank files without the model)."""
-    return [{"name": u.name, "numel": u.layout.numel, "padded": u.layout.padded, "shard": u.layout.shard,
-             "frozen": u.frozen, "chunks": [[c.start, c.end] for c in u.chunks],
-             "params": [{"names": list(slot.state_dict_names), "shape": list(slot.shape), "offset": off}
-                        for slot, off in zip(u.plan.slots, u.layout.offsets, strict=True)],
-             # a frozen unit read where the weights lie: where, in place of its bytes
-             **({"in_place": u.in_place.as_json()} if u.in_place is not None else {}),
-             # a frozen unit stored quantized: how; its codes are derived again from the base on resume
-             **({"quantized": _quantized(u.quantized)} if u.quantized is not None else {})}
-            for u in sm.units]
-
-
-def _quantized(layout: QuantizedLayout) -> dict:
-    kinds = {(p.kind, p.double) for p in layout.parts if p is not None}
-    (kind, double), = kinds
-    return {"kind": kind, "double": double, "weights": [p is not None for p in layout.parts]}
-
 
 BUFFER_PREFIX = "buffer."  # model buffers (running statistics and the like) ride in every rank's file
 ROUNDING_STATE = "rounding.generator"  # bf16 states: the rank's stochastic-rounding generator
@@ -119,11 +99,11 @@ def save_checkpoint(sm: ShardedModel, directory: str, tag: str, progress: dict) 
                     "lr": progress["lr"], "lr_scheduler": progress.get("lr_scheduler"),
                     "loss_scale": progress["loss_scale"], "config": progress["config"],
                     "speculating": progress.get("speculating"),
-                    "units": _layout(sm), **sm.updates.counts.state_dict(),
+                    "units": unit_layouts(sm), **sm.updates.counts.state_dict(),
                     "state_dict_keys": sm.state_dict_keys, **progress.get("model_record", {}),
                     "state_dtype": sm.store_state_dtype,
                     "client_state": client_state, "files": dict(crcs)}
-            read = {f: stamp for u in sm.units if u.in_place is not None for f, stamp in u.in_place.stamps.items()}
+            read = read_files(sm)
             if read:
                 meta["weights_files"] = checksums(read)
             if sm.base is not None:
@@ -276,8 +256,12 @@ def _overwrite(store: TieredStore, key: str, values: torch.Tensor, tier: Tier, *
 
 
 def _fits(layout: list[dict]) -> list[dict]:
-    """The part of a unit layout that does not depend on the world size."""
-    return [{k: u.get(k, False) for k in ("name", "numel", "frozen", "params", "quantized")} for u in layout]
+    """The part of a unit layout that does not depend on the world size (nor on where the base lies)."""
+    def how(quantized: Any) -> dict | bool:
+        return {k: quantized[k] for k in ("kind", "double", "weights")} if isinstance(quantized, dict) else False
+
+    return [{**{k: u.get(k, False) for k in ("name", "numel", "frozen", "params")},
+             "quantized": how(u.get("quantized"))} for u in layout]
 
 
 def _named(param: dict) -> str:
@@ -343,7 +327,7 @@ def load_checkpoint(sm: ShardedModel, directory: str, tag: str | None = None) ->
     meta = read_meta(folder)
     if sm.base is not None and "weights_source" in meta:
         _moved_base(meta, sm.base.moved_from(meta["weights_source"], f"checkpoint {folder!r}"))
-    saved, built = _fits(meta.get("units") or []), _fits(_layout(sm))
+    saved, built = _fits(meta.get("units") or []), _fits(unit_layouts(sm))
     if saved != built:
         raise ValueError(f"checkpoint {folder!r} was written for a different model or unit split: "
                          f"{_first_difference(saved, built)}. Build the model as it was when saved (its "

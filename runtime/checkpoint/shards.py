@@ -9,6 +9,8 @@ lie: meta.json then records its spans of the weights files and their checksums
 `CheckpointShards` reassembles elements [lo, hi) of the whole unit from the files that hold them,
 so that M ranks can resume what N wrote (each reads the pieces of its own new shard) and
 `outcore export` can rebuild each parameter.
+A unit that rested quantized is rebuilt from its unquantized originals, or decoded from the
+pre-quantized bytes it was read from (runtime/checkpoint/quantized_values.py), a unit at a time.
 Elements past the unit's parameters are padding and read as zeros. Only the slices needed are read.
 """
 
@@ -21,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from outcore.offload.file_source import FileStamp
+from outcore.runtime.checkpoint.quantized_values import quantized_values
 from outcore.runtime.frozen_in_place import UnitSpans, spans_from_json, verified_stamps
 
 MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
@@ -36,6 +39,7 @@ class CheckpointShards:
         self._files: dict[int, object] = {}
         self._in_place: dict[int, UnitSpans] = {}
         self._stamps: dict[str, FileStamp] = {}  # weights files found to hold what the checkpoint recorded
+        self._decoded: tuple[int, torch.Tensor] | None = None  # the quantized unit last decoded: one at a time
 
     def open_for(self, spans: list[tuple[int, int, int]]) -> None:
         """Open (so verify) every rank file that holds some of `spans` (unit index, lo, hi), and rank
@@ -53,11 +57,16 @@ class CheckpointShards:
         if not entries:
             return None
         if index not in self._in_place:
-            files = sorted({e["file"] for e in entries})
-            unchecked = {f: self.meta["weights_files"][f] for f in files if f not in self._stamps}
-            self._stamps.update(verified_stamps(unchecked, f"checkpoint {self.folder!r}"))
-            self._in_place[index] = spans_from_json(entries, {f: self._stamps[f] for f in files})
+            self._in_place[index] = self.spans(entries)
         return self._in_place[index]
+
+    def spans(self, entries: list[dict]) -> UnitSpans:
+        """Spans of the weights files as meta.json records them, their files checked against the
+        checksums it records (a ValueError naming one that differs)."""
+        files = sorted({e["file"] for e in entries})
+        unchecked = {f: self.meta["weights_files"][f] for f in files if f not in self._stamps}
+        self._stamps.update(verified_stamps(unchecked, f"checkpoint {self.folder!r}"))
+        return spans_from_json(entries, {f: self._stamps[f] for f in files})
 
     def _ranks(self, index: int, lo: int, hi: int) -> range:
         """The ranks whose shard of unit `index` holds some of elements [lo, hi)."""
@@ -117,6 +126,10 @@ class CheckpointShards:
         for d in param["shape"]:
             numel *= d
         lo = param["offset"]
+        if self.meta["units"][index].get("quantized"):
+            if self._decoded is None or self._decoded[0] != index:
+                self._decoded = index, quantized_values(self.meta["units"][index], self.spans)
+            return self._decoded[1][lo : lo + numel].view(param["shape"])
         if self.meta["units"][index].get("frozen"):
             return self.params(index, lo, lo + numel).float().view(param["shape"])
         return self.state(index, lo, lo + numel, MASTER).view(param["shape"])
