@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE}: linear warm-up, then cosine to "
                    "--min-lr-rate of the peak)")
     t.add_argument("--warmup-steps", type=non_negative_int, metavar="N", help="steps of linear warm-up from 0 "
-                   "(default: a tenth of the run, at least 10, at most 100)")
+                   "(default: a tenth of the run, at most 100; none below 10 steps)")
     t.add_argument("--warmup-ratio", type=non_negative_float, metavar="F",
                    help="the warm-up as a fraction of the run, rounded up (in place of --warmup-steps)")
     t.add_argument("--min-lr-rate", type=non_negative_float, metavar="F", default=DEFAULT_MIN_LR_RATE,

@@ -198,4 +198,5 @@ def estimate_json(args: argparse.Namespace, model: SizedModel, rows: list[dict],
             "activation_rows": step_rows, "prediction": prediction,
             "verdict": {"fits": verdict.fits, "flags": verdict.flags(), "short": list(verdict.short),
                         "device_budget": verdict.device_budget, "host_budget": verdict.host_budget,
+                        "derived_budgets": verdict.derived,
                         "offload_params": verdict.offload_params, "offload_optimizer": verdict.offload_optimizer}}

@@ -70,6 +70,7 @@ class Verdict:
     activations: int
     why: str  # why this setting
     short: tuple[str, ...]  # what does not fit, in words; () where it fits
+    derived: tuple[int, int] | None = None  # the derived budgets, where they did not fit and these smaller ones do
 
     @property
     def fits(self) -> bool:
@@ -91,7 +92,8 @@ def verdict(units: list[int], layout: dict, machine: Machine, *, dtype: str, sta
             activations: int) -> Verdict:
     """The setting `outcore train` would take for these units, its derived budgets, and what of it
     does not fit `machine` (see the module's docstring)."""
-    params, opt, why = choose_offload(units, dtype, 3, grad_clip, prefetch_depth, MemoryBound.now(None, activations))
+    params, opt, why = choose_offload(units, dtype, 3, grad_clip, prefetch_depth, MemoryBound.now(None, activations),
+                                      layout, state_dtype)
     plan = estimate(units, world=world, dtype=dtype, state_dtype=state_dtype, stage=3, offload_params=params,
                     offload_optimizer=opt, prefetch_depth=prefetch_depth, sub_group_size=sub_group_size,
                     grad_clip=grad_clip, device=device, **layout)
@@ -99,8 +101,13 @@ def verdict(units: list[int], layout: dict, machine: Machine, *, dtype: str, sta
         device_budget, host_budget = plan.budgets(None, None, machine.ram_available)
     except ValueError:  # the smallest budgets exceed what is available: said below, with the figures
         device_budget, host_budget = plan.device_min, plan.host_min
+    derived = None
+    if _ram(plan.device_min, plan.host_min, activations, device) <= machine.ram_available < _ram(
+            device_budget, host_budget, activations, device):  # the derived budgets are too large, the least fit
+        derived = (device_budget, host_budget)
+        device_budget, host_budget = plan.device_min, plan.host_min
     short = []
-    ram = host_budget + activations + (device_budget if device == "cpu" else 0)
+    ram = _ram(device_budget, host_budget, activations, device)
     if ram > machine.ram_available:
         short.append(f"RAM: the budgets and a step's activations take {human_bytes(ram)}, "
                      f"{human_bytes(machine.ram_available)} is available")
@@ -110,7 +117,13 @@ def verdict(units: list[int], layout: dict, machine: Machine, *, dtype: str, sta
     if plan.nvme.total > machine.nvme_free:
         short.append(f"NVMe: {human_bytes(plan.nvme.total)} of swap files, {human_bytes(machine.nvme_free)} free in "
                      f"{machine.nvme_dir}")
-    return Verdict(dtype, 3, params, opt, device_budget, host_budget, plan.nvme.total, activations, why, tuple(short))
+    return Verdict(dtype, 3, params, opt, device_budget, host_budget, plan.nvme.total, activations, why, tuple(short),
+                   derived)
+
+
+def _ram(device_budget: int, host_budget: int, activations: int, device: str) -> int:
+    """Host memory a run takes: its host budget and activations, and on a CPU its device budget too."""
+    return host_budget + activations + (device_budget if device == "cpu" else 0)
 
 
 def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
@@ -118,7 +131,12 @@ def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
     where = f"ZeRO-3, parameters {v.offload_params}, optimizer states {v.offload_optimizer} ({v.why})"
     need = (f"budgets {human_bytes(v.device_budget)} device and {human_bytes(v.host_budget)} host, "
             f"{human_bytes(v.nvme_bytes)} on NVMe, activations {human_bytes(v.activations)}")
-    if v.fits:
+    if v.fits and v.derived is not None:
+        lines.append(f"fits at smaller budgets than the derived ones ({human_bytes(v.derived[0])} device, "
+                     f"{human_bytes(v.derived[1])} host, which with the activations exceed the RAM available): "
+                     f"{where}; {need}; the store pages more, so the step is slower.")
+        lines.append(f"  outcore train ... {v.flags()}")
+    elif v.fits:
         lines.append(f"fits: {where}; {need}.")
         lines.append(f"  outcore train ... {v.flags()}")
     else:

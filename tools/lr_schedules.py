@@ -19,8 +19,9 @@ POLYNOMIAL_END, POLYNOMIAL_POWER = 1e-7, 1.0  # transformers' defaults for "poly
 
 
 def default_warmup(steps: int) -> int:
-    """outcore's warm-up where none is asked for: a tenth of the run, at least 10 steps, at most 100."""
-    return min(100, max(10, steps // 10))
+    """outcore's warm-up where none is asked for: a tenth of the run, at most 100 steps; none for a
+    run of fewer than 10 steps (transformers' own default is none at all)."""
+    return min(100, steps // 10)
 
 
 def _warming(step: int, warmup: int) -> float | None:

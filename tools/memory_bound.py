@@ -20,7 +20,12 @@ from outcore.runtime.sizes import human_bytes
 from outcore.tools.activations import available_memory
 from outcore.tools.estimate import estimate
 
-OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
+# From the least offloading to the most. The parameters on NVMe with the optimizer states in memory come
+# before the states on NVMe: a LoRA run's base is its bytes (read in place from its files, no swap file)
+# and its states are small; a full fine-tune's states (12 bytes a parameter) fit where its parameters
+# did not only rarely, and then reading 2 bytes a parameter twice a step beats writing 12.
+OFFLOAD_LADDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "cpu"),
+                  ("cpu", "nvme"), ("nvme", "nvme")]
 SLACK = 0.05  # of --max-memory, kept for what the run allocates beyond these figures (the model's
 # skeleton and hooks, the allocator's own slack)
 
@@ -47,8 +52,9 @@ class MemoryBound:
     def room_for_states(self) -> int:
         """Host bytes the store's budgets may take: under --max-memory what the process and the
         activations leave of it; else half of the memory available (the rest for everything else)."""
-        if self.max_memory is None:
-            return available_memory() // 2
+        if self.max_memory is None:  # half, unless the activations need more of the rest
+            available = available_memory()
+            return min(available // 2, available - self.activations)
         return int(self.max_memory * (1 - SLACK)) - self.process - self.activations
 
     def budgets(self, plan: MemoryPlan, device_budget: int | None, host_budget: int | None,
@@ -87,9 +93,13 @@ class MemoryBound:
 
 
 def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | None,
-                   prefetch_depth: int, bound: MemoryBound) -> tuple[str, str, str]:
+                   prefetch_depth: int, bound: MemoryBound, layout: dict | None = None,
+                   state_dtype: str = "fp32") -> tuple[str, str, str]:
     """The least offloading whose device + host bytes fit in the room `bound` leaves for them: half
-    of the available memory, or under --max-memory what the process and the activations leave."""
+    of the available memory, or under --max-memory what the process and the activations leave.
+    `layout`: what the run keeps of each unit (`estimate`'s keywords: frozen units without gradient
+    or optimizer state, a base read in place from its files, a quantized base at its stored bytes),
+    so that a LoRA or QLoRA run is not paged as though every unit trained."""
     avail = psutil.virtual_memory().available
     room = bound.room_for_states()
     where = (f"half of the {human_bytes(avail)} available" if bound.max_memory is None else
@@ -100,8 +110,9 @@ def choose_offload(units: list[int], dtype: str, stage: int, grad_clip: float | 
     for params, opt in OFFLOAD_LADDER:
         if params != "none" and stage < 3:
             continue
-        plan = estimate(units, dtype=dtype, stage=stage, offload_params=params, offload_optimizer=opt,
-                        prefetch_depth=prefetch_depth, grad_clip=grad_clip, device="cuda" if cuda else "cpu")
+        plan = estimate(units, dtype=dtype, state_dtype=state_dtype, stage=stage, offload_params=params,
+                        offload_optimizer=opt, prefetch_depth=prefetch_depth, grad_clip=grad_clip,
+                        device="cuda" if cuda else "cpu", **(layout or {}))
         ram = plan.host.states + plan.host.runtime + (0 if cuda else plan.device.total)
         fits_device = plan.device.total <= 0.8 * gpu_free if cuda else True
         if fits_device and ram <= room:

@@ -187,7 +187,7 @@ def _train(opts: TrainOptions, report) -> dict:
                                                                checkpointed=checkpointing).values())
 
     try:
-        config, notes, owned_nvme, memory = build_config(opts, job.unit_numels, device, activations)
+        config, notes, owned_nvme, memory = build_config(opts, job.unit_numels, device, activations, job.layout)
     except RunDoesNotFit as e:
         one_row = e.smallest + activations(e.dtype) // opts.batch
         if job.shape is not None and opts.max_memory is not None and one_row <= opts.max_memory:
@@ -199,6 +199,9 @@ def _train(opts: TrainOptions, report) -> dict:
     hyper = optimizer_settings(opts, job, config)
     schedule = Schedule(opts.lr_scheduler or DEFAULT_SCHEDULE, steps,
                         warmup_steps(steps, opts.warmup_steps, opts.warmup_ratio), hyper["lr"], opts.min_lr_rate)
+    if 0 < steps <= schedule.warmup:
+        notes.append(f"the warm-up of {schedule.warmup} steps is the whole run of {steps}: the rate never reaches its "
+                     f"peak {hyper['lr']:g} (--warmup-steps or --warmup-ratio to shorten it)")
     for line in notes + [f"data {line}" for line in job.data_lines]:
         report(f"outcore train: {line}")
     ckpt_dir = os.path.join(opts.out, "checkpoints")
@@ -217,7 +220,7 @@ def _train(opts: TrainOptions, report) -> dict:
             meta = engine.load_checkpoint(ckpt_dir, opts.resume_tag)
             report(f"outcore train: resumed from {os.path.join(ckpt_dir, meta['tag'])} at step {meta['step']}")
         start = engine.global_step
-        for line in start_lines(job, config, opts, engine.group.world, schedule, hyper):
+        for line in start_lines(job, engine.config, opts, engine.group.world, schedule, hyper):  # as the files hold it
             report(f"outcore train: {line}")
         if opts.arguments is not None and engine.group.rank == 0:
             record(opts.out, {**opts.arguments, "world": engine.group.world})

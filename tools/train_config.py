@@ -13,7 +13,7 @@ import torch
 
 from outcore import runtime
 from outcore.offload.owned_dir import OwnedDir
-from outcore.tools.estimate import estimate
+from outcore.tools.estimate import estimate, quantized_stored
 from outcore.tools.memory_bound import MemoryBound, choose_offload
 from outcore.tools.train_options import TrainOptions
 
@@ -30,12 +30,12 @@ def native_bf16(device: torch.device) -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def build_config(opts: TrainOptions, units: list[int], device: torch.device,
-                 activations: Callable[[str], int]) -> tuple[runtime.Config, list[str], OwnedDir | None, dict]:
+def build_config(opts: TrainOptions, units: list[int], device: torch.device, activations: Callable[[str], int],
+                 layout: dict | None = None) -> tuple[runtime.Config, list[str], OwnedDir | None, dict]:
     """The run's Config: the file's, overridden by flags, the rest chosen for this machine, within
-    --max-memory (tools/memory_bound.py; `activations`: a step's bytes in a compute dtype). Also
-    returns what was chosen (to print), the NVMe folder created for the run, if any, and the memory
-    arithmetic."""
+    --max-memory (tools/memory_bound.py; `activations`: a step's bytes in a compute dtype; `layout`:
+    what the run keeps of each unit, as `estimate` takes it). Also returns what was chosen (to
+    print), the NVMe folder created for the run, if any, and the memory arithmetic."""
     notes = []
     values = runtime.Config.file_values(opts.config) if opts.config else {}
     values.update({k: v for k, v in {
@@ -54,8 +54,10 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device,
         if opts.offload_params is None and opts.offload_optimizer is None:
             defaults = runtime.Config()
             depth = values.get("prefetch_depth", defaults.prefetch_depth)
+            kept = kept_layout(units, layout, values.get("quantize"), bool(values.get("quantize_double")))
             params, opt, why = choose_offload(units, values["dtype"], defaults.stage, values["grad_clip"], depth,
-                                              MemoryBound.now(opts.max_memory, activations(values["dtype"])))
+                                              MemoryBound.now(opts.max_memory, activations(values["dtype"])), kept,
+                                              values.get("state_dtype", defaults.state_dtype))
             values.update(offload_params=params, offload_optimizer=opt)
             notes.append(f"offload params={params} optimizer={opt}: {why}")
     values.update(opts.overrides)
@@ -70,17 +72,31 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device,
         bound = MemoryBound.now(opts.max_memory, activations(config.dtype))
         plan = estimate(units, dtype=config.dtype, state_dtype=config.state_dtype, stage=config.stage,
                         offload_params=config.offload_params, offload_optimizer=config.offload_optimizer,
-                        prefetch_depth=config.prefetch_depth, grad_clip=config.grad_clip, device=device.type)
+                        prefetch_depth=config.prefetch_depth, grad_clip=config.grad_clip, device=device.type,
+                        **kept_layout(units, layout, config.quantize, config.quantize_double))
         device_budget, host_budget, lowered = bound.budgets(plan, config.device_budget, config.host_budget,
                                                             device.type == "cpu", config.dtype)
         if lowered is not None:
             config = replace(config, host_budget=host_budget)
             notes.append(lowered)
+        if config.dtype == "fp16" and device.type == "cpu":
+            notes.append("dtype fp16 on a CPU: it has no fp16 arithmetic, so each operation is emulated (slower than "
+                         "fp32) under loss scaling; --dtype bf16 or fp32 is what a CPU computes in")
         return config, notes, owned, bound.as_json(device_budget if device.type == "cpu" else 0, host_budget)
     except ValueError:
         if owned is not None:
             owned.remove()
         raise
+
+
+def kept_layout(units: list[int], layout: dict | None, quantize: str | None, double: bool) -> dict:
+    """`layout` with a quantized base's stored bytes (`Config.quantize`), as the estimate counts them."""
+    if not layout:
+        return {}
+    if quantize is None:
+        return layout
+    return {**layout, "stored": quantized_stored(units, layout, int(os.environ.get("WORLD_SIZE", "1")), quantize,
+                                                 double)}
 
 
 def scratch_nvme_dir(values: dict) -> OwnedDir | None:

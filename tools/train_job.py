@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 from outcore.hf.data_mix import DataFile
 from outcore.hf.source import HFModel
 from outcore.runtime.materialize import deferred_init
-from outcore.runtime.units import plan_units
+from outcore.runtime.units import plan_layout, plan_units
 from outcore.tools.activations import Shape
 from outcore.tools.corpus import VOCAB, batch_generator, files_corpus, stdlib_corpus
 from outcore.tools.model_source import resolve_model, unit_numels
@@ -74,6 +74,7 @@ class Job:
     checkpoint_activations: bool  # the default
     shape: Shape | None = None  # a decoder's layers, width and vocabulary: its activations' size
     data_lines: tuple[str, ...] = ()  # what each --data file is, to say as the run starts
+    layout: dict = field(default_factory=dict)  # what the run keeps of each unit, as `estimate` takes it
 
 
 def job_loss(engine: Any, job: Job, batch: Any, device: torch.device) -> torch.Tensor:
@@ -147,6 +148,7 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
                          "model's own tokenizer.")
     with_lora = source.build()
     plans = plan_units(with_lora)
+    _, layout = plan_layout(plans)
     params = sum(s.numel for p in plans for s in p.slots)
     trainable = sum(s.numel for p in plans for s in p.slots if not s.frozen)
 
@@ -183,7 +185,7 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
                tokens, True, _shape(config),  # activations are most of a fine-tune's memory
-               tuple(data_lines))
+               tuple(data_lines), {**layout, "frozen_in_files": True})  # a frozen base is read from its files
 
 
 def _shape(config: Any) -> Shape | None:

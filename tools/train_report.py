@@ -11,6 +11,7 @@ from typing import Any
 
 from outcore import runtime
 from outcore.runtime.policy import DTYPES
+from outcore.runtime.quantized import bytes_per_weight
 from outcore.runtime.sizes import human_bytes, human_count
 from outcore.tools.lr_schedules import Schedule
 from outcore.tools.run_log import RunLog
@@ -21,8 +22,22 @@ WHERE = {"none": "device memory", "cpu": "host memory", "nvme": "NVMe"}
 
 
 def state_bytes(job: Job, config: runtime.Config) -> int:
-    """Weights, and for the trainable ones fp32 gradients, master and moments (bf16 states: half)."""
-    return job.params * DTYPES[config.dtype][1] + job.trainable * (4 + 12 // (2 if config.state_dtype == "bf16" else 1))
+    """Weights (a frozen base quantized at its stored bytes), and for the trainable ones fp32
+    gradients, master and moments (bf16 states: half)."""
+    frozen = job.params - job.trainable
+    base = (bytes_per_weight(config.quantize, config.quantize_double) if config.quantize is not None
+            else DTYPES[config.dtype][1])
+    return (int(frozen * base) + job.trainable * DTYPES[config.dtype][1]
+            + job.trainable * (4 + 12 // (2 if config.state_dtype == "bf16" else 1)))
+
+
+def stored_as(config: runtime.Config) -> str:
+    """How the weights rest: the compute dtype, and a frozen base's quantization where it has one."""
+    if config.quantize is None:
+        return config.dtype
+    return (f"{config.dtype}, the frozen base stored {config.quantize}"
+            + (" with double quantization" if config.quantize_double else "")
+            + f" ({bytes_per_weight(config.quantize, config.quantize_double):.2f} bytes a weight)")
 
 
 def start_lines(job: Job, config: runtime.Config, opts: TrainOptions, world: int, schedule: Schedule,
@@ -30,7 +45,7 @@ def start_lines(job: Job, config: runtime.Config, opts: TrainOptions, world: int
     """What is trained, where its states live, the batch, and the schedule."""
     trainable = "" if job.trainable == job.params else f", {human_count(job.trainable)} of them trained"
     return [f"{job.name}, {human_count(job.params)} parameters{trainable} "
-            f"({human_bytes(state_bytes(job, config))} of weights, gradients and Adam states), {config.dtype}, "
+            f"({human_bytes(state_bytes(job, config))} of weights, gradients and Adam states), {stored_as(config)}, "
             f"parameters in {WHERE[config.offload_params]}, optimizer states in {WHERE[config.offload_optimizer]}; "
             f"batch {opts.batch} x {job.seq} {job.tokens}"
             + (f" on each of {world} ranks, each its own rows" if world > 1 else ""),
