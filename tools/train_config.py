@@ -90,9 +90,14 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device, act
 
 
 def kept_layout(units: list[int], layout: dict | None, quantize: str | None, double: bool) -> dict:
-    """`layout` with a quantized base's stored bytes (`Config.quantize`), as the estimate counts them."""
+    """`layout` with a quantized base's stored bytes (`Config.quantize`, or how a pre-quantized
+    directory stores it: `stored_as`), as the estimate counts them."""
     if not layout:
         return {}
+    layout = dict(layout)
+    stored_as = layout.pop("stored_as", None)
+    if quantize is None and stored_as is not None:
+        quantize, double = stored_as
     if quantize is None:
         return layout
     return {**layout, "stored": quantized_stored(units, layout, int(os.environ.get("WORLD_SIZE", "1")), quantize,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from outcore.hf.data_mix import DataFile
+from outcore.hf.declared_quantization import stored
 from outcore.hf.source import HFModel
 from outcore.runtime.materialize import deferred_init
 from outcore.runtime.units import plan_layout, plan_units
@@ -185,7 +186,14 @@ def hf_job(directory: str, *, lora: int | None, data: DataOptions | None, batch:
                [sum(s.numel for s in p.slots) for p in plans],
                Data(train_set, batch, seq, seed, "train"), Data(held_out, batch, seq, seed, "val"), inputs, export,
                tokens, True, _shape(config),  # activations are most of a fine-tune's memory
-               tuple(data_lines), {**layout, "frozen_in_files": True})  # a frozen base is read from its files
+               tuple(data_lines), {**layout, "frozen_in_files": True,  # a frozen base is read from its files
+                                   "stored_as": _stored_as(directory)})
+
+
+def _stored_as(directory: str) -> tuple[str, bool] | None:
+    """How a pre-quantized directory's files hold its base (kind, double quantization), or None."""
+    held = stored(directory)
+    return next(iter(held)) if len(held) == 1 else None
 
 
 def _shape(config: Any) -> Shape | None:
