@@ -199,9 +199,6 @@ def _train(opts: TrainOptions, report) -> dict:
     hyper = optimizer_settings(opts, job, config)
     schedule = Schedule(opts.lr_scheduler or DEFAULT_SCHEDULE, steps,
                         warmup_steps(steps, opts.warmup_steps, opts.warmup_ratio), hyper["lr"], opts.min_lr_rate)
-    if 0 < steps <= schedule.warmup:
-        notes.append(f"the warm-up of {schedule.warmup} steps is the whole run of {steps}: the rate never reaches its "
-                     f"peak {hyper['lr']:g} (--warmup-steps or --warmup-ratio to shorten it)")
     for line in notes + [f"data {line}" for line in job.data_lines]:
         report(f"outcore train: {line}")
     ckpt_dir = os.path.join(opts.out, "checkpoints")

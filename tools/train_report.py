@@ -50,7 +50,10 @@ def start_lines(job: Job, config: runtime.Config, opts: TrainOptions, world: int
             f"batch {opts.batch} x {job.seq} {job.tokens}"
             + (f" on each of {world} ranks, each its own rows" if world > 1 else ""),
             f"{schedule.describe()}, weight decay {hyper['weight_decay']:g}, betas "
-            f"{hyper['betas'][0]:g}, {hyper['betas'][1]:g}"]
+            f"{hyper['betas'][0]:g}, {hyper['betas'][1]:g}"] + (
+        [f"the warm-up of {schedule.warmup} steps is the whole run of {schedule.steps}: the rate never reaches its "
+         f"peak {hyper['lr']:g} (--warmup-steps or --warmup-ratio to shorten it)"]
+        if 0 < schedule.steps <= schedule.warmup else [])
 
 
 @dataclass
