@@ -6,9 +6,9 @@ sequence's. Only the input is kept for backward, as checkpointing keeps it.
 The module must treat positions independently (an MLP does; attention does not). The parameters'
 gradients are summed over the tiles and returned to autograd as the function's own, so that whatever
 gathers and reduces them (the engine's unit hooks) sees one gradient a parameter, as from the untiled
-module. Equal to the untiled module to rounding (the same operations, a tile at a time) in plain
-PyTorch; inside an engine's unit it is not yet (tests/runtime/test_tiled.py says what is open), and
-nothing installs it on a model.
+module, inside an engine's unit too (whose parameters are views set in their place, bound again for
+backward: `weights_of`). Equal to the untiled module to rounding (the same operations, a tile at a
+time). Nothing installs it on a model yet.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
-        params = [p for p in ctx.module.parameters()]
+        params = weights_of(ctx.module)  # as bound now: an engine binds a unit's views again for backward
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:], strict=True) if need]
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
@@ -52,10 +52,20 @@ class _Tiled(torch.autograd.Function):
         return (None, None, None, grad_x, *param_grads)
 
 
+def weights_of(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors `module`'s forward reads its weights from, in a fixed order: its parameters, and the
+    tensors set as plain attributes in their place (an engine's views of a gathered unit)."""
+    found: list[torch.Tensor] = []
+    for m in module.modules():
+        found += [p for p in m._parameters.values() if p is not None]
+        found += [v for _, v in sorted(vars(m).items()) if isinstance(v, torch.Tensor)]
+    return found
+
+
 def tiled(module: nn.Module, x: torch.Tensor, tile: int, dim: int = 1) -> torch.Tensor:
     """`module(x)` computed `tile` positions of `dim` at a time (see the module's docstring)."""
     if tile < 1:
         raise ValueError(f"tile={tile}: a tile is at least one position.")
     if x.shape[dim] <= tile:
         return module(x)
-    return _Tiled.apply(module, tile, dim, x, *module.parameters())
+    return _Tiled.apply(module, tile, dim, x, *weights_of(module))

@@ -76,16 +76,24 @@ class Block(nn.Module):
         return x + (self.mlp(h) if self.tile is None else tiled(self.mlp, h, self.tile))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 71 item 3, open: inside a unit the engine does not see the gradients "
-                   "the tiled function returns to the forward's parameter views (the MLP's gradients are lost); the "
-                   "tiling must run inside the unit's own recompute before models use it")
-@pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_tiled_blocks_train_under_the_engine_as_untiled_ones_in_plain_pytorch(tmp_path, offload):
+class Stack(nn.Module):
+    def __init__(self, tile: int | None, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks, self.checkpointed = nn.ModuleList(Block(tile) for _ in range(3)), checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+@pytest.mark.parametrize("offload, checkpointed", [("none", False), ("nvme", False), ("nvme", True)])
+def test_tiled_blocks_train_under_the_engine_as_untiled_ones_in_plain_pytorch(tmp_path, offload, checkpointed):
     import outcore
 
     def model(tile):
         torch.manual_seed(0)
-        return nn.Sequential(*[Block(tile) for _ in range(3)])
+        return Stack(tile, checkpointed and tile is not None)
 
     hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     plain = model(None)
