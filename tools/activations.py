@@ -44,6 +44,13 @@ def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpoin
     return rows
 
 
+def longest_seq(shape: Shape, *, batch: int, dtype: str, checkpointed: bool, room: int) -> int:
+    """The longest context whose activations (`activation_rows`, linear in the tokens) fit in `room`
+    bytes at `batch` rows; 0 where not even one token does."""
+    per_token = sum(activation_rows(shape, batch=batch, seq=1, dtype=dtype, checkpointed=checkpointed).values())
+    return max(0, room // per_token)
+
+
 def available_memory(max_memory: int | None = None) -> int:
     """Bytes this run may take: `max_memory` where given, else what the machine has available now,
     within the cgroup's limit where there is one."""
@@ -77,7 +84,10 @@ def preflight(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: b
     per_row = sum(activation_rows(shape, batch=1, seq=seq, dtype=dtype, checkpointed=checkpointed).values())
     fits = room // per_row
     where = f"--max-memory {_gib(max_memory)}" if max_memory is not None else "available memory"
-    advice = (f"give --batch {fits} or less" if fits >= 1 else f"no --batch fits at --seq {seq}: lower --seq")
+    longest = longest_seq(shape, batch=1, dtype=dtype, checkpointed=checkpointed, room=room)
+    advice = (f"give --batch {fits} or less" if fits >= 1 else
+              f"no --batch fits at --seq {seq}: give --seq {longest} or less" if longest >= 1 else
+              f"no --batch fits at --seq {seq}, nor at any --seq")
     others = [] if checkpointed else ["--checkpoint-activations (each block keeps only its input)"]
     others.append(f"--accumulate K (K micro-batches of --batch {max(fits, 1)} a step)" if fits >= 1 else
                   "--offload-params/--offload-optimizer nvme to free the budgets' memory")

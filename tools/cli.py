@@ -170,6 +170,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from outcore.tools.estimate_report import (
         activation_rows_printed,
         estimate_json,
+        max_seq_lines,
         predicted_step,
         print_table,
         step_activations,
@@ -216,7 +217,11 @@ def _estimate(args: argparse.Namespace) -> int:
     activations = train_batch_printed(args, model)
     for line in verdict_lines(verdict_, machine):
         print(line)
-    write_json(args.json, estimate_json(args, model, rows, activations, step_rows, prediction, verdict_))
+    summary = estimate_json(args, model, rows, activations, step_rows, prediction, verdict_)
+    if args.max_seq:
+        summary["max_seq"], said = max_seq_lines(args, model, verdict_, machine)
+        print("\n".join(said))
+    write_json(args.json, summary)
     return EXIT_OK
 
 

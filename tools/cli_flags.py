@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "activations (and with --accumulate the activation keys) (default 1)")
     e.add_argument("--seq", type=positive_int, help="context length of the activations sized (default: the "
                    "model's)")
+    e.add_argument("--max-seq", action="store_true", help="also say the longest --seq whose activations fit beside "
+                   "the verdict's budgets (this machine's memory, or --max-memory), with the flags")
+    e.add_argument("--max-memory", type=_size, metavar="SIZE", help="with --max-seq: the memory the run may take, in "
+                   "place of what this machine has available")
     e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
     pr = e.add_argument_group("step prediction (--predict; one stage and offload setting)")
     pr.add_argument("--predict", action="store_true", help="predict the step: its time by kind of work, what "

@@ -17,7 +17,7 @@ from outcore.tools import machine_rates
 from outcore.tools import step_estimate as se
 from outcore.tools.activations import Shape, activation_rows
 from outcore.tools.estimate_model import SizedModel
-from outcore.tools.estimate_verdict import Verdict
+from outcore.tools.estimate_verdict import Machine, Verdict, longest_context
 from outcore.tools.report import table
 
 
@@ -200,3 +200,15 @@ def estimate_json(args: argparse.Namespace, model: SizedModel, rows: list[dict],
                         "device_budget": verdict.device_budget, "host_budget": verdict.host_budget,
                         "derived_budgets": verdict.derived,
                         "offload_params": verdict.offload_params, "offload_optimizer": verdict.offload_optimizer}}
+
+
+def max_seq_lines(args: argparse.Namespace, model: SizedModel, recommended: Verdict, machine: Machine
+                  ) -> tuple[int, list[str]]:
+    """`--max-seq`: the longest context that fits beside the recommended budgets, and its lines."""
+    if model.dims is None:
+        raise ValueError(f"--max-seq: the activations of {args.model!r} cannot be sized from here; give a preset, "
+                         "--params or a model directory.")
+    layers, d_model, vocab, _ = model.dims
+    return longest_context(recommended, machine, Shape(layers, d_model, vocab), batch=args.batch or 1,
+                           dtype=args.dtype, checkpointed=args.checkpoint_activations or model.hf or layers >= 24,
+                           device=args.device, max_memory=args.max_memory)

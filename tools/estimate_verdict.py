@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psutil
 
 from outcore.runtime.sizes import human_bytes
-from outcore.tools.activations import available_memory
+from outcore.tools.activations import Shape, activation_rows, available_memory, longest_seq
 from outcore.tools.estimate import estimate
 from outcore.tools.memory_bound import MemoryBound, choose_offload
 
@@ -143,3 +143,25 @@ def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
         lines.append(f"does not fit: {where}; {need}. Short: {'; '.join(v.short)}.")
         lines.append("  free what is short (another --nvme-dir, a machine with more memory), or lower --batch/--seq")
     return lines
+
+
+def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, dtype: str, checkpointed: bool,
+                    device: str, max_memory: int | None) -> tuple[int, list[str]]:
+    """`estimate --max-seq`: the longest `--seq` whose activations fit beside the verdict's budgets, in
+    the memory where they live (on a CPU the RAM available, or --max-memory, less this process, as
+    `outcore train`'s preflight counts them; on a GPU its memory), and what to say of it."""
+    if device == "cpu":
+        total, where = (max_memory, f"--max-memory {human_bytes(max_memory)}") if max_memory is not None else (
+            machine.ram_available, f"the {human_bytes(machine.ram_available)} of RAM available")
+        room = total - v.device_budget - v.host_budget - psutil.Process().memory_info().rss  # as train counts it
+    else:
+        total, where = int(GPU_SHARE * machine.gpu_bytes), f"{machine.gpu or 'the GPU'}'s memory"
+        room = total - v.device_budget
+    seq = longest_seq(shape, batch=batch, dtype=dtype, checkpointed=checkpointed, room=room)
+    if seq < 1:
+        return 0, [f"longest context: none; the budgets leave {human_bytes(max(room, 0))} of {where} for activations"]
+    per_token = sum(activation_rows(shape, batch=batch, seq=1, dtype=dtype, checkpointed=checkpointed).values())
+    return seq, [f"longest context: --seq {seq:,} at --batch {batch} ({human_bytes(per_token)} of activations a token, "
+                 f"{'checkpointed' if checkpointed else 'kept whole'}; {human_bytes(room)} of {where} beside the "
+                 "budgets)",
+                 f"  outcore train ... --batch {batch} --seq {seq} {v.flags()}"]
