@@ -20,6 +20,7 @@ from torch import nn
 
 from outcore.hf import adapter_init, model_info
 from outcore.hf.adapter_merge import adapter_merge, merge_record
+from outcore.hf.chunked_head import CALLS_HEAD
 from outcore.hf.conversion import MergedTensor, assemble, convert_names
 from outcore.hf.task_head import seeded_init, task_head
 from outcore.runtime.model_family import (
@@ -68,11 +69,12 @@ class HuggingFaceFamily(ModelFamily):
     def read_outside_forward(self) -> list[nn.Module]:
         """The output head, where the model's forward was replaced on the instance (TRL's fused LM head,
         Liger's kernels): such a forward projects through the head's weight without calling the head.
-        Said once."""
+        Said once. A forward marked as calling the head (CALLS_HEAD) leaves it where it is."""
         inner = self.inner()
         head = _declared(inner, "get_output_embeddings")
-        if "forward" not in vars(inner) or not isinstance(head, nn.Module):
-            return []
+        replaced = vars(inner).get("forward")
+        if replaced is None or getattr(replaced, CALLS_HEAD, False) or not isinstance(head, nn.Module):
+            return []  # (hf/chunked_head.py's forward calls the head: it may be a unit of its own)
         log.info("%s's forward is replaced on the model (a fused LM head): its output head stays in the root unit",
                  type(inner).__name__)
         return [head]
