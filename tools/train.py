@@ -20,8 +20,9 @@ from collections.abc import Iterator
 import torch
 
 from outcore import runtime
+from outcore.hf.chunked_head import install_chunked_loss
 from outcore.hf.data_mix import data_file
-from outcore.hf.model_info import hf_checkpointing
+from outcore.hf.model_info import hf_checkpointing, wrapped_model
 from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
@@ -70,10 +71,15 @@ def optimizer_settings(opts: TrainOptions, job: Job, config: runtime.Config) -> 
     return hyper
 
 
-def built_model(job: Job, checkpointing: bool) -> torch.nn.Module:
-    """The job's model (parameters on the meta device), its activation checkpointing as asked."""
+def built_model(job: Job, checkpointing: bool, loss_chunk_tokens: int | None = None) -> torch.nn.Module:
+    """The job's model (parameters on the meta device), its activation checkpointing as asked, and
+    its loss over chunks of `loss_chunk_tokens` tokens where given (hf/chunked_head.py)."""
     model = job.build()
     enable = hf_checkpointing(model)
+    if loss_chunk_tokens is not None:
+        if enable is None:
+            raise ValueError("--loss-chunk-tokens computes a Hugging Face causal LM's loss over chunks: give --model.")
+        install_chunked_loss(wrapped_model(model), loss_chunk_tokens)
     if enable is not None:  # a Hugging Face model: its own
         if checkpointing:
             enable()
@@ -210,8 +216,8 @@ def _train(opts: TrainOptions, report) -> dict:
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
         t_init = time.perf_counter()
-        engine = runtime.Engine(built_model(job, checkpointing), config, runtime.AdamW(**hyper), seed=opts.seed,
-                                **job.engine_kw)
+        engine = runtime.Engine(built_model(job, checkpointing, opts.loss_chunk_tokens), config,
+                                runtime.AdamW(**hyper), seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:
             meta = engine.load_checkpoint(ckpt_dir, opts.resume_tag)
