@@ -23,7 +23,8 @@ def test_a_run_over_loss_chunks_equals_the_whole_loss(tmp_path, lora):
     run = ["train", "--model", model, "--data", str(data), *lora, "--steps", "3", "--batch", "2", "--seq", "16",
            "--dtype", "fp32", "--no-save", "--log-every", "1"]
     assert main([*run, "--out", str(tmp_path / "a"), "--json", str(tmp_path / "a.json")]) == 0
-    assert main([*run, "--loss-chunk-tokens", "5", "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json")]) == 0
+    chunked_run = [*run, "--loss-chunk-tokens", "5", "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json")]
+    assert main(chunked_run) == 0
     whole, chunked = (json.load(open(tmp_path / f"{n}.json")) for n in "ab")
     assert chunked["losses"] == pytest.approx(whole["losses"], rel=1e-5)
     assert [v for _, v in chunked["val_losses"]] == pytest.approx([v for _, v in whole["val_losses"]], rel=1e-5)
