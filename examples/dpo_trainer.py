@@ -8,28 +8,17 @@ second copy of the model); the policy's states paged through NVMe.
 """
 
 import argparse
-import json
 import os
-import random
 
 import datasets
 import peft
 import torch
 import transformers
 import trl
-from tiny_model import WORDS, tiny_llama
+from tiny_model import preferences, tiny_llama, write_jsonl
 
 import outcore
 from outcore.hf import outcore_trainer
-
-
-def preferences(path: str, n: int = 32) -> str:
-    rnd = random.Random(0)
-    with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"prompt": " ".join(rnd.choices(WORDS, k=5)), "chosen": " good " * 2,
-                                "rejected": " bad " * 2}) + "\n")
-    return path
 
 
 def main() -> None:
@@ -41,7 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
     model = a.model or tiny_llama(os.path.join(a.out, "tiny-llama"))
-    data = a.data or preferences(os.path.join(a.out, "prefs.jsonl"))
+    data = a.data or write_jsonl(os.path.join(a.out, "prefs.jsonl"), preferences(32))
 
     args = trl.DPOConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2, learning_rate=5e-3,
                          logging_steps=1, save_steps=a.steps, max_length=32, report_to=[],

@@ -10,12 +10,11 @@ its verdict, and pasting its flags after `outcore train`.
 import argparse
 import json
 import os
-import random
 import shlex
 import subprocess
 import sys
 
-from tiny_model import WORDS, tiny_llama
+from tiny_model import notes, tiny_llama, write_jsonl
 
 
 def outcore(*args: str) -> None:
@@ -39,10 +38,7 @@ def main() -> None:
     verdict = json.load(open(estimate))["verdict"]
     if not verdict["fits"]:
         sys.exit("does not fit this machine: " + "; ".join(verdict["short"]))
-    data = os.path.join(a.out, "notes.jsonl")
-    rnd = random.Random(0)
-    with open(data, "w") as f:
-        f.writelines(json.dumps({"text": " ".join(rnd.choices(WORDS, k=12))}) + "\n" for _ in range(24))
+    data = write_jsonl(os.path.join(a.out, "notes.jsonl"), notes(24))
     outcore("train", "--model", model, "--lora", a.lora, *quantize, "--data", data, "--steps", "4", "--batch", "2",
             "--seq", "32", "--out", os.path.join(a.out, "run"), *verdict["flags"].split())
 

@@ -9,14 +9,13 @@ The reward here favours completions that say "good"; write yours with the same s
 
 import argparse
 import os
-import random
 
 import datasets
 import peft
 import torch
 import transformers
 import trl
-from tiny_model import WORDS, tiny_llama
+from tiny_model import prompts, tiny_llama
 
 import outcore
 from outcore.hf import outcore_trainer
@@ -35,15 +34,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args()
     model = a.model or tiny_llama(os.path.join(a.out, "tiny-llama"))
-    rnd = random.Random(0)
-    prompts = datasets.Dataset.from_list([{"prompt": " ".join(rnd.choices(WORDS, k=4))} for _ in range(16)])
 
     args = trl.GRPOConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=8, learning_rate=1e-2, logging_steps=1, save_steps=a.steps,
                           report_to=[],
                           bf16=torch.cuda.is_available(), beta=0.04)
     GRPOTrainer = outcore_trainer(trl.GRPOTrainer)  # was: trl.GRPOTrainer
-    trainer = GRPOTrainer(model=model, reward_funcs=says_good, args=args, train_dataset=prompts,
+    trainer = GRPOTrainer(model=model, reward_funcs=says_good, args=args,
+                          train_dataset=datasets.Dataset.from_list(prompts(16)),
                           processing_class=transformers.AutoTokenizer.from_pretrained(model),
                           peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
                           outcore_config=outcore.Config(offload_params="nvme", offload_optimizer="nvme",

@@ -9,29 +9,17 @@ adapters trained in bf16 or fp32, the states paged through NVMe. Your script, wi
 """
 
 import argparse
-import json
 import os
-import random
 
 import datasets
 import peft
 import torch
 import transformers
 import trl
-from tiny_model import WORDS, tiny_llama
+from tiny_model import chats, tiny_llama, write_jsonl
 
 import outcore
 from outcore.hf import outcore_trainer
-
-
-def conversations(path: str, n: int = 32) -> str:
-    rnd = random.Random(0)
-    with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(rnd.choices(WORDS, k=5))},
-                                             {"role": "assistant", "content": " ".join(rnd.choices(WORDS, k=4))}]})
-                    + "\n")
-    return path
 
 
 def main() -> None:
@@ -43,7 +31,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
     model = a.model or tiny_llama(os.path.join(a.out, "tiny-llama"))
-    data = a.data or conversations(os.path.join(a.out, "chats.jsonl"))
+    data = a.data or write_jsonl(os.path.join(a.out, "chats.jsonl"), chats(32))
 
     args = trl.SFTConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=2, learning_rate=2e-3,
                          logging_steps=1, save_steps=a.steps, assistant_only_loss=True, max_length=64, report_to=[],

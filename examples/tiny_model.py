@@ -1,11 +1,15 @@
-"""A tiny Llama and its tokenizer, built here from a config (nothing downloaded), so that each example
-runs offline on a CPU in seconds. Pass `--model /models/your-model` to an example to use your own.
+"""A tiny Llama and its tokenizer, built here from a config (nothing downloaded), and rows of each data
+format over its words, so that each example runs offline on a CPU in seconds. Pass `--model
+/models/your-model` (and `--data`) to an example to use your own.
 
-    from tiny_model import tiny_llama, WORDS
+    from tiny_model import tiny_llama, chats, write_jsonl
     directory = tiny_llama("tiny-llama")   # config.json, model.safetensors, a word-level tokenizer
+    write_jsonl("chats.jsonl", chats(32))
 """
 
+import json
 import os
+import random
 
 import torch
 import transformers
@@ -36,3 +40,39 @@ def tiny_llama(directory: str) -> str:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def _words(rnd: random.Random, k: int) -> str:
+    return " ".join(rnd.choices(WORDS, k=k))
+
+
+def chats(n: int) -> list[dict]:
+    """Conversational rows: {"messages": [a user turn, an assistant turn]}."""
+    rnd = random.Random(0)
+    return [{"messages": [{"role": "user", "content": _words(rnd, 5)},
+                          {"role": "assistant", "content": _words(rnd, 4)}]} for _ in range(n)]
+
+
+def notes(n: int) -> list[dict]:
+    """Text rows: {"text"}."""
+    rnd = random.Random(0)
+    return [{"text": _words(rnd, 12)} for _ in range(n)]
+
+
+def preferences(n: int) -> list[dict]:
+    """Preference rows: {"prompt", "chosen", "rejected"}, the chosen saying "good", the rejected "bad"."""
+    rnd = random.Random(0)
+    return [{"prompt": _words(rnd, 5), "chosen": " good " * 2, "rejected": " bad " * 2} for _ in range(n)]
+
+
+def prompts(n: int) -> list[dict]:
+    """Prompt rows: {"prompt"}, for a trainer that writes the completions itself (GRPO)."""
+    rnd = random.Random(0)
+    return [{"prompt": _words(rnd, 4)} for _ in range(n)]
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    """`rows` as a JSONL file at `path`; returns the path."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path

@@ -9,19 +9,11 @@ The same as these commands (what this script runs):
 """
 
 import argparse
-import json
 import os
-import random
 import subprocess
 import sys
 
-from tiny_model import WORDS, tiny_llama
-
-
-def write(path: str, rows: list[dict]) -> str:
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return path
+from tiny_model import chats, notes, tiny_llama, write_jsonl
 
 
 def outcore(*args: str) -> None:
@@ -36,15 +28,11 @@ def main() -> None:
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = a.model or tiny_llama(os.path.join(a.out, "tiny-llama"))
-    rnd = random.Random(0)
-    chats = write(os.path.join(a.out, "chats.jsonl"), [
-        {"messages": [{"role": "user", "content": " ".join(rnd.choices(WORDS, k=5))},
-                      {"role": "assistant", "content": " ".join(rnd.choices(WORDS, k=4))}]} for _ in range(24)])
-    notes = write(os.path.join(a.out, "notes.jsonl"), [{"text": " ".join(rnd.choices(WORDS, k=12))}
-                                                       for _ in range(24)])
+    chat_file = write_jsonl(os.path.join(a.out, "chats.jsonl"), chats(24))
+    note_file = write_jsonl(os.path.join(a.out, "notes.jsonl"), notes(24))
     run = os.path.join(a.out, "run")
-    outcore("train", "--model", model, "--lora", "8", "--data", f"{chats}:3", "--data", f"{notes}:1", "--steps", "4",
-            "--batch", "2", "--seq", "32", "--out", run)
+    outcore("train", "--model", model, "--lora", "8", "--data", f"{chat_file}:3", "--data", f"{note_file}:1",
+            "--steps", "4", "--batch", "2", "--seq", "32", "--out", run)
     outcore("train", "--out", run, "--resume", "--steps", "8")
     print(f"trained 8 steps in two runs; adapters in {run}/adapters")
 

@@ -8,8 +8,7 @@ from typing import Any
 
 from outcore.runtime.formats.safetensors_header import read_header
 from outcore.runtime.pretrained import weight_files
-
-_STATE = ".quant_state.bitsandbytes__"
+from outcore.runtime.stored_quantized import STATE_MARK
 
 
 def declared(quantization_config: Any) -> tuple[str, bool] | None:
@@ -36,9 +35,9 @@ def stored(directory: str) -> set[tuple[str, bool]]:
             continue
         keys = set(read_header(file))
         for key in keys:
-            if _STATE in key:
-                name = key.split(_STATE)[0]
-                found.add((key.split(_STATE)[1], name + ".nested_absmax" in keys))
+            if STATE_MARK in key:
+                name = key.split(STATE_MARK)[0]
+                found.add((key.split(STATE_MARK)[1], name + ".nested_absmax" in keys))
             elif key.endswith(".SCB"):
                 found.add(("int8", False))
     return found

@@ -27,7 +27,7 @@ from outcore.runtime.quantized import BLOCK, NESTED_BLOCK, QuantizedWeight, code
 
 log = logging.getLogger(__name__)
 
-_STATE = ".quant_state.bitsandbytes__"
+STATE_MARK = ".quant_state.bitsandbytes__"  # in the name of a 4-bit weight's saved state
 _PARTS = {"codes": "", "code": ".quant_map", "absmax": ".absmax", "nested_absmax": ".nested_absmax",
           "nested_code": ".nested_quant_map"}
 
@@ -46,8 +46,8 @@ def stored_quantized(tensors: dict[str, Any]) -> dict[str, StoredQuantized]:
     tensors (codes, tables, scales, state) are removed from `tensors`. ValueError naming a weight
     saved in a way outcore does not read."""
     out = _stored_int8(tensors)
-    for key in [k for k in tensors if _STATE in k]:
-        name, kind = key.split(_STATE)
+    for key in [k for k in tensors if STATE_MARK in k]:
+        name, kind = key.split(STATE_MARK)
         state_tensor = tensors.pop(key)
         state = _state(state_tensor)
         if kind not in ("nf4", "fp4") or state.get("blocksize") != BLOCK or \

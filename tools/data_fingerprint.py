@@ -9,13 +9,32 @@ import os
 import crc32c
 
 _CHUNK = 8 << 20
+_seen: dict[tuple, dict[str, int]] = {}  # by what stat says of the files: a resume checks, then records
 
 
 def fingerprint(path: str) -> dict[str, int]:
-    """{"bytes", "crc32c"} of a file, or of a directory's files (a `save_to_disk` folder) in name order."""
+    """{"bytes", "crc32c"} of a file, or of a directory's files (a `save_to_disk` folder) in name order;
+    read once per process while stat says the files are unchanged (a resume checks, then records)."""
+    files = _files(path)
+    stamp = tuple((name, *_stat(name)) for name in files)
+    if stamp not in _seen:
+        _seen[stamp] = _read(files)
+    return _seen[stamp]
+
+
+def _stat(name: str) -> tuple[int, int, int]:
+    st = os.stat(name)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _files(path: str) -> list[str]:
     files = [path]
     if os.path.isdir(path):
         files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    return files
+
+
+def _read(files: list[str]) -> dict[str, int]:
     size, crc = 0, 0
     for name in files:
         with open(name, "rb") as f:

@@ -149,16 +149,21 @@ def _portable_paths(values: dict[str, Any], out: str) -> dict[str, Any]:
         if isinstance(values.get(key), str):
             values[key] = _portable(values[key], out)
     if isinstance(values.get("data"), (list, tuple)):
-        values["data"] = [_portable(spec, out) if isinstance(spec, str) else spec for spec in values["data"]]
+        values["data"] = [_portable_spec(spec, out) if isinstance(spec, str) else spec for spec in values["data"]]
     return values
 
 
-def _portable(spec: str, out: str) -> str:
-    path = data_file(spec).path if spec else spec  # a --data FILE:W keeps its weight
+def _portable(path: str, out: str) -> str:
+    """`path` absolute, or relative to `out` where it lies inside it."""
     where = os.path.abspath(path)
     inside = os.path.relpath(where, os.path.abspath(out))
-    where = where if inside == os.pardir or inside.startswith(os.pardir + os.sep) else inside
-    return where + spec[len(path):]
+    return where if inside == os.pardir or inside.startswith(os.pardir + os.sep) else inside
+
+
+def _portable_spec(spec: str, out: str) -> str:
+    """A `--data FILE[:W]` with its file `_portable`, its weight kept."""
+    path = data_file(spec).path if spec else spec
+    return _portable(path, out) + spec[len(path):]
 
 
 def _local_paths(values: dict[str, Any], out: str) -> dict[str, Any]:
