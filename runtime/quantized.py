@@ -172,6 +172,9 @@ class QuantizedLayout:
     # Where a pre-quantized directory holds these bytes, once read as stored (one entry): a checkpoint
     # records it, so that `outcore export` decodes them without an engine.
     stored_in: list[UnitSpans] = field(default_factory=list)
+    # The weights whose scales were found finite at their first decode: frozen bytes that stay so,
+    # checked once rather than (with a device sync on a GPU) at every gather.
+    scales_checked: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, shapes: list[tuple[int, ...]], quantized: list[bool], kind: str, double: bool,
@@ -212,15 +215,20 @@ class QuantizedLayout:
             target = flat[to : to + numel]
             if part is not None:
                 stored = raw[at : at + part.nbytes]
-                for name, scales in part.scales(stored).items():
-                    if not bool(torch.isfinite(scales).all()):
-                        raise ValueError(f"the frozen base's {(slots[index].state_dict_names or ['?'])[0]}: its stored "
-                                         f"{name} holds NaN or inf, so its values would; the base's files (or the "
-                                         "weights quantized from them) are damaged: mend or replace them. Training "
-                                         "is not at fault.")
+                if index not in self.scales_checked:
+                    self._check_scales(part, stored, slots[index])
+                    self.scales_checked.add(index)
                 target.copy_(part.decode(stored, flat.dtype, offset).reshape(-1))
             else:
                 target.copy_(raw[at : at + numel * dtype.itemsize].view(dtype))
+
+    @staticmethod
+    def _check_scales(part: QuantizedWeight, stored: torch.Tensor, slot: ParamSlot) -> None:
+        for name, scales in part.scales(stored).items():
+            if not bool(torch.isfinite(scales).all()):
+                raise ValueError(f"the frozen base's {(slot.state_dict_names or ['?'])[0]}: its stored {name} holds "
+                                 "NaN or inf, so its values would; the base's files (or the weights quantized from "
+                                 "them) are damaged: mend or replace them. Training is not at fault.")
 
 
 def bytes_per_weight(kind: str, double: bool) -> float:
