@@ -128,7 +128,9 @@ class EngineBackend(transformers.Trainer):
             self._last_stats = self.engine.train_batch(batch, compute_loss=compute_loss)
         else:  # each micro-batch forward and backward in turn: each unit read once a micro-batch and a pass
             for micro_batch in batch:
-                self.engine.backward(compute_loss(micro_batch))
+                with self.engine.activations.forward():  # the model is called directly: paged as engine(...) pages
+                    loss = compute_loss(micro_batch)
+                self.engine.backward(loss)
             self._last_stats = self.engine.step()
         return torch.stack(losses).sum().to(self.args.device)
 

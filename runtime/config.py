@@ -16,6 +16,7 @@ from typing import Any
 
 from outcore.offload.io_config import IOConfig
 from outcore.offload.typed_fields import check_fields, quoted
+from outcore.runtime.activation_paging import ACTIVATION_OFFLOADS
 from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
@@ -51,6 +52,8 @@ class Config:
                        many parameters at a time (16 B each with the gradient), whatever the unit size.
     collective_timeout: seconds any collective waits for the other ranks before a stalled or dead
                        rank becomes an error on every rank (used when the engine makes the group).
+    offload_activations: "auto", "none", "cpu" or "nvme": where what autograd saves outside the
+                       checkpointed units goes until backward (runtime/activation_paging.py).
     quantize:          None, "nf4", "fp4" or "int8": frozen Linear weights rest in the tiers quantized
                        as bitsandbytes quantizes them, dequantized as their unit is gathered
                        (runtime/quantized.py); `quantize_double` quantizes a 4-bit weight's scales too.
@@ -74,6 +77,7 @@ class Config:
     collective_timeout: float = 600.0
     quantize: str | None = None
     quantize_double: bool = False
+    offload_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
@@ -87,8 +91,12 @@ class Config:
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3 (stages 1 and 2 keep whole "
                              "parameters on every rank); set stage=3 or offload_params='none'.")
-        if "nvme" in (self.offload_params, self.offload_optimizer) and not self.nvme_dir:
-            raise ValueError("nvme_dir is required when offload_params or offload_optimizer is 'nvme'.")
+        if self.offload_activations not in ACTIVATION_OFFLOADS:
+            raise ValueError(f"offload_activations={quoted(self.offload_activations)}: use one of "
+                             f"{', '.join(ACTIVATION_OFFLOADS)}.")
+        if "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations) and not self.nvme_dir:
+            raise ValueError("nvme_dir is required when offload_params, offload_optimizer or offload_activations is "
+                             "'nvme'.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={quoted(self.dtype)}: use one of {', '.join(DTYPES)}.")
         if self.state_dtype not in STATE_DTYPES:

@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
 from outcore.runtime import engine_start as start
+from outcore.runtime.activation_paging import ActivationPaging
 from outcore.runtime.checkpoint.base_files import base_files
 from outcore.runtime.checkpoint.sharded import load_checkpoint, save_checkpoint
 from outcore.runtime.checkpoint.sharded_model import ShardedModel
@@ -50,7 +51,6 @@ from outcore.runtime.policy import StatePolicy
 from outcore.runtime.pretrained import PretrainedWeights
 from outcore.runtime.quantized_base import as_stored, quantized_plans
 from outcore.runtime.random_draws import RandomDraws
-from outcore.runtime.saved_activations import SavedActivations
 from outcore.runtime.stochastic_rounding import StochasticRounding
 from outcore.runtime.trace import Trace
 from outcore.runtime.unit_lifecycle import UnitLifecycle
@@ -128,7 +128,8 @@ class Engine:
                                        self.gradients, self.sharded, self.scaler, self.schedule, self.group,
                                        self.device)
         self._random_draws = RandomDraws(self.device)
-        self._activations = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}  # the last train_batch's
+        self.activations = ActivationPaging(config, self.store, self.device,
+                                            is_parameter=functools.partial(views_gathered_unit, self.units))
         self._hooks: list[Any] = []
         self._closed = False
         # Keys the config keeps in memory went to NVMe once the host budget was full: said once.
@@ -185,7 +186,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
-        return self.lifecycle.forward(self.model, args, kwargs)
+        with self.activations.forward():
+            return self.lifecycle.forward(self.model, args, kwargs)
 
     @_engine_call
     def backward(self, loss: torch.Tensor) -> None:
@@ -213,21 +215,14 @@ class Engine:
         if compute_loss is not None and loss_fn is not None:
             raise ValueError("train_batch: give loss_fn (the model's output to a loss) or compute_loss (a micro-batch "
                              "to a loss, calling the model itself), not both.")
-        pages = ({self.config.offload_params, self.config.offload_optimizer} != {"none"}
-                 or self.config.host_budget is not None)
-        saved = SavedActivations(self.store, self.place.work_tier, functools.partial(views_gathered_unit, self.units),
-                                 host_budget=self.store.stats()["host"]["budget"] if pages else None)
+        saved = self.activations.for_batch()
 
         # once each: a module with frozen parameters is two units (the trainable and its frozen sibling)
         blocks = list({id(u.plan.module): u.plan.module for u in self.units
                        if u.plan.module is not self.model}.values())
         batch = VerticalBatch(count, shared_views=self.policy.dtype == "fp32")
-        try:
-            losses = batch.run(micro_batches, loss_fn, compute_loss, lifecycle=self.lifecycle, model=self.model,
-                               blocks=blocks, saved=saved, random_draws=self._random_draws)
-        finally:
-            self._activations = {"bytes_paged": saved.bytes_put, "bytes_from_nvme": saved.bytes_from_nvme,
-                                 "bytes_kept": saved.bytes_kept}
+        losses = batch.run(micro_batches, loss_fn, compute_loss, lifecycle=self.lifecycle, model=self.model,
+                           blocks=blocks, saved=saved, random_draws=self._random_draws)
         stats = self.step()
         stats["losses"] = [float(loss.detach()) for loss in losses]
         return stats
@@ -240,6 +235,7 @@ class Engine:
             return {"grad_norm": None, "loss_scale": self.scaler.scale, "skipped": False, "lr": self.lr,
                     "accumulating": True}
         late = self.gradients.finish_window(self.units)
+        self.activations.step_done()
         norm, coef, overflow = self.gradients.global_norm(self.config.grad_clip)
         lr = self.lr
         speculated = self.updates.speculated_units()
@@ -349,7 +345,7 @@ class Engine:
         s.update(prefetch_hit_rate=s["hits"] / fetches, unit_wait_seconds=sum(u.wait_seconds for u in self.units),
                  optimizer_seconds=self.updates.seconds, units=len(self.units), step=self.global_step,
                  speculative_updates=dict(self.updates.speculated),
-                 trace_divergences=self.trace.divergences, activations=dict(self._activations),
+                 trace_divergences=self.trace.divergences, activations=dict(self.activations.last_step),
                  gathered={"bytes": self.lifecycle.gathered_bytes(), "peak": self.lifecycle.gathered_peak})
         return s
 

@@ -74,10 +74,10 @@ def train_batch_activations(*, layers: int, d_model: int, vocab: int, batch: int
                             dtype: str = "bf16") -> int:
     """Bytes of activation keys a `train_batch` of `micro_batches` keeps per rank (runtime/vertical.py):
     for every micro-batch, each block's input, and what a GPT's code outside the blocks saves for
-    backward: the final norm's and the head's inputs, and the logits with their log-softmax (fp32,
-    as the loss computes them). They page through HOST and NVMe."""
+    backward: the final norm's and the head's inputs, and the logits' log-softmax (fp32, as the loss
+    computes it; saved by two operations, paged once). They page through HOST and NVMe."""
     elem = DTYPES[dtype][1]
-    per_micro = batch * seq * ((layers + 2) * d_model * elem + 2 * vocab * 4)
+    per_micro = batch * seq * ((layers + 2) * d_model * elem + vocab * 4)
     return micro_batches * per_micro
 
 

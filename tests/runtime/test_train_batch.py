@@ -108,8 +108,9 @@ def test_parameters_are_read_once_per_optimizer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(saved_activations, "PAGED_BYTES", 1 << 12)  # page the small test's activations too
     budgets = {"host_budget": 600_000, "device_budget": 500_000}
     data = batches(2 * K, batch=2, vocab=128)
-    one = gpt_engine(tmp_path, "one", 1, **budgets)
-    micro = gpt_engine(tmp_path, "micro", K, **budgets)
+    # the references keep their activations in place: what they read is the parameters
+    one = gpt_engine(tmp_path, "one", 1, offload_activations="none", **budgets)
+    micro = gpt_engine(tmp_path, "micro", K, offload_activations="none", **budgets)
     ours = gpt_engine(tmp_path, "ours", 1, **budgets)
     # the first step records the unit order (prefetch) and grows the swap file
     accumulate(one, data[:1])

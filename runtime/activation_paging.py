@@ -1,0 +1,80 @@
+"""Where an engine's saved activations go (`Config.offload_activations`), and what a step paged.
+
+One `SavedActivations` (runtime/saved_activations.py) per forward under grad (`engine(...)`) or per
+`train_batch`; this owns the choice of tier and the counts a step reports:
+
+- "none": kept where autograd puts them;
+- "cpu":  put in the store's HOST tier (off the GPU; they page on to NVMe only where the HOST budget
+          must make room, as any key does);
+- "nvme": written to the swap file as they are saved, read back in backward;
+- "auto": an `engine(...)` pass keeps what it saves in place while that fits in half of what its
+          compute device has free as the pass starts (the units' windows and the recompute want
+          the rest), and pages the rest to HOST; a `train_batch` (K micro-batches' activations at
+          once) pages them all where the engine pages its states (parameters or optimizer states
+          offloaded, or a HOST budget given), and keeps them in place otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from outcore.offload import Tier, TieredStore
+from outcore.runtime.saved_activations import SavedActivations
+
+if TYPE_CHECKING:  # runtime/config.py reads this module's names
+    from outcore.runtime.config import Config
+
+ACTIVATION_OFFLOADS = ("auto", "none", "cpu", "nvme")  # the names `Config.offload_activations` takes
+
+
+class ActivationPaging:
+    def __init__(self, config: Config, store: TieredStore, device: torch.device, *,
+                 is_parameter: Callable[[torch.Tensor], bool]) -> None:
+        self.mode, self.store, self.device, self.is_parameter = config.offload_activations, store, device, is_parameter
+        self.pages_states = ({config.offload_params, config.offload_optimizer} != {"none"}
+                             or config.host_budget is not None)
+        self._since_step: list[SavedActivations] = []
+        self.last_step = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}
+
+    def for_batch(self) -> SavedActivations:
+        """What one train_batch saves (see the module docstring)."""
+        paged = self.mode in ("cpu", "nvme") or (self.mode == "auto" and self.pages_states)
+        return self._saved(self._tier() if paged else None, in_place=0)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around one `engine(...)`: what it saves for backward, paged (nothing where none pages)."""
+        if self.mode == "none" or not torch.is_grad_enabled():
+            yield
+            return
+        in_place = free_memory(self.device) // 2 if self.mode == "auto" else 0
+        with self._saved(self._tier(), in_place=in_place).hooks():
+            yield
+
+    def _tier(self) -> Tier:
+        return Tier.NVME if self.mode == "nvme" else Tier.HOST
+
+    def _saved(self, tier: Tier | None, *, in_place: int) -> SavedActivations:
+        saved = SavedActivations(self.store, tier, self.is_parameter, host_budget=self.store.stats()["host"]["budget"],
+                                 in_place=in_place)
+        self._since_step.append(saved)
+        return saved
+
+    def step_done(self) -> None:
+        """The optimizer step ended: its passes' counts become the step's figures."""
+        passes, self._since_step = self._since_step, []
+        self.last_step = {"bytes_paged": sum(s.bytes_put for s in passes),
+                          "bytes_from_nvme": sum(s.bytes_from_nvme for s in passes),
+                          "bytes_kept": sum(s.bytes_kept for s in passes)}
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the compute device has free now: the GPU's, or the host's available memory on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
