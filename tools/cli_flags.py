@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
+from outcore.runtime.activation_paging import ACTIVATION_OFFLOADS
 from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
 from outcore.runtime.policy import OFFLOADS, STATE_DTYPES
 from outcore.tools.arg_types import (
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-params", choices=OFFLOADS, help="default: the least that fits free memory")
     t.add_argument("--offload-optimizer", choices=OFFLOADS, help="where the fp32 master weights and Adam moments "
                    "rest (default: the least that fits free memory)")
+    t.add_argument("--offload-activations", choices=ACTIVATION_OFFLOADS,
+                   help="where what autograd keeps for backward outside the checkpointed layers goes: the store's "
+                   "host tier (cpu), the swap file (nvme), or nowhere (none); default auto: paged past half of "
+                   "the free memory")
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="default: bf16 where native, else fp32")
     t.add_argument("--state-dtype", choices=STATE_DTYPES, help="Adam moments (and a master kept apart from the "
                    "parameters) in fp32, or in bf16: half the optimizer's bytes, rounded stochastically "

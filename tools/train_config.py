@@ -43,6 +43,7 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device, act
         "host_budget": opts.host_budget,
         "device_budget": opts.device_budget, "prefetch_depth": opts.prefetch_depth,
         "offload_params": opts.offload_params, "offload_optimizer": opts.offload_optimizer,
+        "offload_activations": opts.offload_activations,
         "collective_timeout": opts.collective_timeout, "quantize": opts.quantize,
         "quantize_double": opts.quantize_double or None}.items() if v is not None})
     if not opts.config:
@@ -107,8 +108,8 @@ def kept_layout(units: list[int], layout: dict | None, quantize: str | None, dou
 def scratch_nvme_dir(values: dict) -> OwnedDir | None:
     """Config values that put something on NVMe but name no nvme_dir get a scratch folder under the
     working directory (set as their nvme_dir); the caller removes it when the run ends."""
-    if values.get("nvme_dir") is not None or "nvme" not in (values.get("offload_params"),
-                                                             values.get("offload_optimizer")):
+    offloads = (values.get("offload_params"), values.get("offload_optimizer"), values.get("offload_activations"))
+    if values.get("nvme_dir") is not None or "nvme" not in offloads:
         return None
     owned = OwnedDir(".outcore-nvme-", os.getcwd())  # a killed run's one is reclaimed here
     values["nvme_dir"] = owned.path

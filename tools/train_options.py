@@ -32,6 +32,7 @@ class TrainOptions:
     nvme_dir: str | None = None
     offload_params: str | None = None  # None: chosen from free memory
     offload_optimizer: str | None = None
+    offload_activations: str | None = None  # None: the config's (auto)
     dtype: str | None = None  # None: bf16 where native, else fp32
     state_dtype: str | None = None  # None: the config's (fp32)
     batch: int = 8

@@ -69,6 +69,8 @@ class RunProgress:
     opt: float = 0.0
     read: int = 0
     written: int = 0
+    activations_paged: int = 0  # saved activations put in the store, and of them read back from NVMe
+    activations_read: int = 0
     tokens: int = 0
     stopped: tuple[int, int] | None = None  # (the signal, the step the run stopped after)
 
@@ -83,6 +85,8 @@ class RunProgress:
         self.opt += now["optimizer_seconds"] - before["optimizer_seconds"]
         self.read += now["bytes_read"] - before["bytes_read"]
         self.written += now["bytes_written"] - before["bytes_written"]
+        self.activations_paged += now["activations"]["bytes_paged"]  # the engine's counts are the step's own
+        self.activations_read += now["activations"]["bytes_from_nvme"]
         self.tokens += tokens
 
     @property
@@ -123,7 +127,9 @@ def summary_of(run: RunProgress, job: Job, config: runtime.Config, *, steps: int
         "grad_norms": run.grad_norms,
         "seconds_per_step": run.seconds / ran, "io_wait_seconds_per_step": run.wait / ran,
         "optimizer_seconds_per_step": run.opt / ran, "bytes_read_per_step": run.read / ran,
-        "bytes_written_per_step": run.written / ran,
+        "bytes_written_per_step": run.written / ran, "offload_activations": config.offload_activations,
+        "activation_bytes_paged_per_step": run.activations_paged / ran,
+        "activation_bytes_read_per_step": run.activations_read / ran,
         "tokens_per_second": run.tokens / max(run.seconds, 1e-9), "init_seconds": init_seconds,
         "peak_rss_bytes": peak_rss, "checkpoints": ckpt_dir,
         "prefetch_hit_rate": stats["prefetch_hit_rate"], "config": config.to_dict(), "optimizer": hyper,
@@ -144,5 +150,14 @@ def done_line(summary: dict, job: Job) -> str:
     return (f"done. {job.name} ({human_count(job.params)} params, {human_bytes(summary['state_bytes'])} of "
             f"model states) trained {max(0, steps - start)} steps{losses}{val_text}; parameters in "
             f"{WHERE[summary['offload_params']]}, optimizer states in {WHERE[summary['offload_optimizer']]}; "
-            f"{summary['seconds_per_step']:.2f} s/step; peak RSS {human_bytes(summary['peak_rss_bytes'])}; "
+            f"{summary['seconds_per_step']:.2f} s/step;{paged_text(summary)} "
+            f"peak RSS {human_bytes(summary['peak_rss_bytes'])}; "
             + (f"wrote {' and '.join(written)}" if written else "wrote nothing (--no-save)"))
+
+
+def paged_text(summary: dict) -> str:
+    """The done line's words for the activations a step paged, where it paged any."""
+    paged, read = summary["activation_bytes_paged_per_step"], summary["activation_bytes_read_per_step"]
+    if not paged:
+        return ""
+    return f" activations {human_bytes(paged)} paged and {human_bytes(read)} read back from NVMe a step;"
