@@ -115,7 +115,7 @@ def test_estimate_accumulate_prints_and_writes_the_activation_keys(tmp_path, cap
     out = tmp_path / "e.json"
     assert main(["estimate", "--model", "tiny", "--accumulate", "4", "--batch", "2", "--json", str(out)]) == 0
     assert "train_batch of 4 micro-batches of 2 x 128" in capsys.readouterr().out
-    assert json.loads(out.read_text())["train_batch_activation_bytes"] == 4 * 2 * 128 * (6 * 128 * 2 + 2 * 256 * 4)
+    assert json.loads(out.read_text())["train_batch_activation_bytes"] == 4 * 2 * 128 * (6 * 128 * 2 + 256 * 4)
 
 
 @pytest.mark.parametrize("lora", [None, 4])
