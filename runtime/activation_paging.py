@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 import torch
@@ -26,14 +26,18 @@ import torch
 from outcore.offload import Tier, TieredStore
 from outcore.runtime.saved_activations import SavedActivations
 
-if TYPE_CHECKING:  # runtime/config.py reads this module's names
-    from outcore.runtime.config import Config
 
-ACTIVATION_OFFLOADS = ("auto", "none", "cpu", "nvme")  # the names `Config.offload_activations` takes
+class Placement(Protocol):
+    """What of `Config` this reads (runtime/config.py imports the policy this module's names come from)."""
+
+    offload_params: str
+    offload_optimizer: str
+    offload_activations: str
+    host_budget: int | None
 
 
 class ActivationPaging:
-    def __init__(self, config: Config, store: TieredStore, device: torch.device, *,
+    def __init__(self, config: Placement, store: TieredStore, device: torch.device, *,
                  is_parameter: Callable[[torch.Tensor], bool]) -> None:
         self.mode, self.store, self.device, self.is_parameter = config.offload_activations, store, device, is_parameter
         self.pages_states = ({config.offload_params, config.offload_optimizer} != {"none"}

@@ -16,11 +16,10 @@ from typing import Any
 
 from outcore.offload.io_config import IOConfig
 from outcore.offload.typed_fields import check_fields, quoted
-from outcore.runtime.activation_paging import ACTIVATION_OFFLOADS
 from outcore.runtime.config_text import config_format, write_values
 from outcore.runtime.deepspeed_config import translate_deepspeed
 from outcore.runtime.hyperparameters import check_hyperparameters
-from outcore.runtime.policy import DTYPES, OFFLOADS, STATE_DTYPES
+from outcore.runtime.policy import ACTIVATION_OFFLOADS, DTYPES, OFFLOADS, STATE_DTYPES
 from outcore.runtime.sizes import MOST_BYTES, human_bytes, parse_count, parse_size
 
 MIN_SUB_GROUP_SIZE = 1024  # elements per optimizer chunk at the least

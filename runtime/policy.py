@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # resolved on use, so that the command line loads without tor
     import torch
 
 OFFLOADS = ("none", "cpu", "nvme")  # the names `offload_params` and `offload_optimizer` take
+ACTIVATION_OFFLOADS = ("auto", "none", "cpu", "nvme")  # the names `Config.offload_activations` takes
 TIER_OF_OFFLOAD = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}  # name: (torch's, bytes)
 STATE_DTYPES = ("fp32", "bf16")  # what optimizer states may be stored in (`Config.state_dtype`)

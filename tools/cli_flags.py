@@ -8,9 +8,8 @@ import re
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from outcore.runtime.activation_paging import ACTIVATION_OFFLOADS
 from outcore.runtime.config import MIN_SUB_GROUP_SIZE, SEEDS
-from outcore.runtime.policy import OFFLOADS, STATE_DTYPES
+from outcore.runtime.policy import ACTIVATION_OFFLOADS, OFFLOADS, STATE_DTYPES
 from outcore.tools.arg_types import (
     int_in,
     non_negative_float,
