@@ -24,8 +24,8 @@ TILED = "outcore_tiled"  # marks an MLP whose forward was replaced here
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:
     """Each decoder layer's MLP: the `mlp` of every module that has a `self_attn` beside it."""
-    return [m.mlp for m in model.modules()
-            if isinstance(getattr(m, "mlp", None), nn.Module) and isinstance(getattr(m, "self_attn", None), nn.Module)]
+    found = [getattr(m, "mlp", None) for m in model.modules() if isinstance(getattr(m, "self_attn", None), nn.Module)]
+    return [mlp for mlp in found if isinstance(mlp, nn.Module)]
 
 
 def install_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:

@@ -27,13 +27,14 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import psutil
 
 from outcore.runtime.sizes import human_bytes, parse_size
 from outcore.tools.report import check_json_argument, peak_rss, table, write_json
 
-SHAPE = {"vocab_size": 128_256, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
+SHAPE: dict[str, Any] = {"vocab_size": 128_256, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
          "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 1 << 17,
          "rope_theta": 500_000.0, "tie_word_embeddings": False}
 WORDS = [f"w{i}" for i in range(8000)]
@@ -50,8 +51,8 @@ def model_dir(root: str) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).to(torch.bfloat16)
-    model.save_pretrained(path)
+    model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+    model.to(torch.bfloat16).save_pretrained(path)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
@@ -182,23 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         for _ in range(args.rounds):
-            for seq in seqs:
+            for length in seqs:
                 for kind in kinds:  # interleaved: each length's kinds side by side in each round
-                    rows.append(one_run(kind, model, root, seq, args.steps, bound, extra, args.timeout))
+                    rows.append(one_run(kind, model, root, length, args.steps, bound, extra, args.timeout))
                     print(json.dumps(rows[-1]), flush=True)
     summary = summarize(rows, kinds, seqs)
     table(["kind", "--seq", "peak RSS", "s/step", "trained"],
           [[r["kind"], f"{r['seq']:,}", human_bytes(r["peak_rss"]),
             "-" if r["seconds"] is None else f"{r['seconds']:.2f}", r["trained"]] for r in summary["rows"]])
-    for kind, longest in summary["longest"].items():
-        print(f"{kind}: longest context trained under {args.max_memory}: {longest or 'none'}")
+    for kind, seq_ in summary["longest"].items():
+        print(f"{kind}: longest context trained under {args.max_memory}: {seq_ or 'none'}")
     if args.json_path:
         write_json(args.json_path, {**summary, "runs": rows, "max_memory": bound, "extra": extra})
     return 0
 
 
 def summarize(rows: list[dict], kinds: list[str], seqs: list[int]) -> dict:
-    out, longest = [], {}
+    out: list[dict] = []
+    longest: dict[str, int] = {}
     for kind in kinds:
         for seq in seqs:
             runs = [r for r in rows if r["kind"] == kind and r["seq"] == seq]
