@@ -9,13 +9,18 @@ The model is a decoder's, by its shape (layers, width, vocabulary) and the compu
 - with activation checkpointing a block keeps only its input, and the one block being recomputed
   in backward holds its 17 again;
 - the head's logits, their fp32 copy for the loss and its gradient: 3 values of the vocabulary per
-  token (the loss's own log-softmax included), the largest part for a short context.
+  token (the loss's own log-softmax included), the largest part for a short context; with the loss
+  over chunks (hf/chunked_head.py), those of one chunk;
+- with the MLP tiled over the sequence (hf/tiled_mlp.py), the recomputed block's MLP holds a tile's
+  wide values (`MLP_VALUES` of the 17), and with the block inputs paged (runtime/saved_activations.py)
+  the memory holds the few being read back, not all of them.
 The figure errs high on purpose: it decides whether a run starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -23,6 +28,8 @@ from outcore.runtime.policy import DTYPES
 
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
 HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
+MLP_VALUES = 8  # of BLOCK_VALUES: the MLP's wide hidden layer and its activation (2 x 4 of the width)
+PAGED_IN_MEMORY = 3  # block inputs a paged step holds at once: the one recomputed and two read ahead
 
 
 @dataclass(frozen=True)
@@ -32,23 +39,46 @@ class Shape:
     vocab: int
 
 
-def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool) -> dict[str, int]:
-    """Bytes by part, per rank, for one micro-batch of `batch` x `seq` tokens."""
+def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool,
+                    loss_chunk: int | None = None, tile: int | None = None, inputs_paged: bool = False
+                    ) -> dict[str, int]:
+    """Bytes by part, per rank, for one micro-batch of `batch` x `seq` tokens; `loss_chunk`,
+    `tile`: tokens of the loss's chunks and of the MLP's tiles (None: whole); `inputs_paged`: the
+    checkpointed blocks' inputs page out of memory."""
     tokens, elem = batch * seq, DTYPES[dtype][1]
-    block = tokens * BLOCK_VALUES * shape.d_model * elem
-    rows = {"block inputs kept for backward" if checkpointed else "every block's activations":
-            tokens * shape.layers * shape.d_model * elem if checkpointed else block * shape.layers}
+    mlp_tokens = tokens if tile is None else batch * min(seq, tile)
+    block = (tokens * (BLOCK_VALUES - MLP_VALUES) + mlp_tokens * MLP_VALUES) * shape.d_model * elem
+    if not checkpointed:
+        rows = {"every block's activations": block * shape.layers}
+    elif inputs_paged:
+        rows = {"block inputs paged (those read back at once)": tokens * min(shape.layers, PAGED_IN_MEMORY)
+                * shape.d_model * elem}
+    else:
+        rows = {"block inputs kept for backward": tokens * shape.layers * shape.d_model * elem}
     if checkpointed:
-        rows["one block recomputed in backward"] = block
-    rows["logits, their fp32 loss and its gradient"] = tokens * HEAD_VALUES * shape.vocab * 4
+        rows["one block recomputed in backward" + ("" if tile is None else f", its MLP over tiles of {tile:,}")] = block
+    if loss_chunk is None:
+        rows["logits, their fp32 loss and its gradient"] = tokens * HEAD_VALUES * shape.vocab * 4
+    else:
+        rows[f"logits of one loss chunk of {loss_chunk:,} tokens, fp32, and their gradient"] = \
+            min(tokens, loss_chunk) * HEAD_VALUES * shape.vocab * 4
     return rows
 
 
-def longest_seq(shape: Shape, *, batch: int, dtype: str, checkpointed: bool, room: int) -> int:
-    """The longest context whose activations (`activation_rows`, linear in the tokens) fit in `room`
-    bytes at `batch` rows; 0 where not even one token does."""
-    per_token = sum(activation_rows(shape, batch=batch, seq=1, dtype=dtype, checkpointed=checkpointed).values())
-    return max(0, room // per_token)
+def longest_seq(shape: Shape, *, batch: int, dtype: str, checkpointed: bool, room: int, **how: Any) -> int:
+    """The longest context whose activations (`activation_rows` with `how`, growing with the tokens)
+    fit in `room` bytes at `batch` rows; 0 where not even one token does."""
+    def fits(seq: int) -> bool:
+        return sum(activation_rows(shape, batch=batch, seq=seq, dtype=dtype, checkpointed=checkpointed,
+                                   **how).values()) <= room
+
+    low, high = 0, 1
+    while fits(high) and high < 1 << 40:
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def available_memory(max_memory: int | None = None) -> int:
@@ -73,18 +103,19 @@ def _cgroup_room() -> int | None:
 
 
 def preflight(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool, budgets: int,
-              max_memory: int | None = None) -> dict[str, int]:
-    """The step's activation rows, or a ValueError where they and the store's budgets do not fit in
-    the memory the run may have, naming the largest batch that does and what else would."""
-    rows = activation_rows(shape, batch=batch, seq=seq, dtype=dtype, checkpointed=checkpointed)
+              max_memory: int | None = None, **how: Any) -> dict[str, int]:
+    """The step's activation rows (`activation_rows` with `how`), or a ValueError where they and the
+    store's budgets do not fit in the memory the run may have, naming the largest batch that does and
+    what else would."""
+    rows = activation_rows(shape, batch=batch, seq=seq, dtype=dtype, checkpointed=checkpointed, **how)
     room = available_memory(max_memory) - budgets
     need = sum(rows.values())
     if need <= room:
         return rows
-    per_row = sum(activation_rows(shape, batch=1, seq=seq, dtype=dtype, checkpointed=checkpointed).values())
+    per_row = sum(activation_rows(shape, batch=1, seq=seq, dtype=dtype, checkpointed=checkpointed, **how).values())
     fits = room // per_row
     where = f"--max-memory {_gib(max_memory)}" if max_memory is not None else "available memory"
-    longest = longest_seq(shape, batch=1, dtype=dtype, checkpointed=checkpointed, room=room)
+    longest = longest_seq(shape, batch=1, dtype=dtype, checkpointed=checkpointed, room=room, **how)
     advice = (f"give --batch {fits} or less" if fits >= 1 else
               f"no --batch fits at --seq {seq}: give --seq {longest} or less" if longest >= 1 else
               f"no --batch fits at --seq {seq}, nor at any --seq")

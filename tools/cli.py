@@ -160,7 +160,8 @@ def train_options(args: argparse.Namespace) -> Any:
         host_budget=args.host_budget, device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
         save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
-        checkpoint_activations=args.checkpoint_activations, loss_chunk_tokens=args.loss_chunk_tokens, seed=args.seed,
+        checkpoint_activations=args.checkpoint_activations, loss_chunk_tokens=args.loss_chunk_tokens,
+        tile_tokens=args.tile_tokens, seed=args.seed,
         collective_timeout=args.timeout, accumulate=args.accumulate, log_every=args.log_every,
         report_to=tuple(args.report_to),
         max_memory=args.max_memory, arguments={k: v for k, v in vars(args).items() if k not in NOT_RECORDED})

@@ -16,6 +16,7 @@ import os
 import shlex
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from outcore import runtime
 from outcore.hf.chunked_head import install_chunked_loss
 from outcore.hf.data_mix import data_file
 from outcore.hf.model_info import hf_checkpointing, wrapped_model
+from outcore.hf.tiled_mlp import install_tiled_mlp
 from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
@@ -71,15 +73,21 @@ def optimizer_settings(opts: TrainOptions, job: Job, config: runtime.Config) -> 
     return hyper
 
 
-def built_model(job: Job, checkpointing: bool, loss_chunk_tokens: int | None = None) -> torch.nn.Module:
-    """The job's model (parameters on the meta device), its activation checkpointing as asked, and
-    its loss over chunks of `loss_chunk_tokens` tokens where given (hf/chunked_head.py)."""
+def built_model(job: Job, checkpointing: bool, loss_chunk_tokens: int | None = None,
+                tile_tokens: int | None = None) -> torch.nn.Module:
+    """The job's model (parameters on the meta device), its activation checkpointing as asked, its
+    loss over chunks of `loss_chunk_tokens` tokens (hf/chunked_head.py) and its MLPs over tiles of
+    `tile_tokens` (hf/tiled_mlp.py) where given."""
     model = job.build()
     enable = hf_checkpointing(model)
+    for flag, given, what in (("--loss-chunk-tokens", loss_chunk_tokens, "causal LM's loss over chunks"),
+                              ("--tile-tokens", tile_tokens, "decoder's MLPs over tiles")):
+        if given is not None and enable is None:
+            raise ValueError(f"{flag} computes a Hugging Face {what}: give --model.")
     if loss_chunk_tokens is not None:
-        if enable is None:
-            raise ValueError("--loss-chunk-tokens computes a Hugging Face causal LM's loss over chunks: give --model.")
         install_chunked_loss(wrapped_model(model), loss_chunk_tokens)
+    if tile_tokens is not None:
+        install_tiled_mlp(model, tile_tokens)
     if enable is not None:  # a Hugging Face model: its own
         if checkpointing:
             enable()
@@ -188,9 +196,13 @@ def _train(opts: TrainOptions, report) -> dict:
     checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
                      else job.checkpoint_activations)
 
+    # what the step holds: the loss's chunks, the MLPs' tiles, and the block inputs paged where asked
+    how: dict[str, Any] = {"loss_chunk": opts.loss_chunk_tokens, "tile": opts.tile_tokens,
+                           "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
+
     def activations(dtype: str) -> int:
         return 0 if job.shape is None else sum(activation_rows(job.shape, batch=opts.batch, seq=job.seq, dtype=dtype,
-                                                               checkpointed=checkpointing).values())
+                                                               checkpointed=checkpointing, **how).values())
 
     try:
         config, notes, owned_nvme, memory = build_config(opts, job.unit_numels, device, activations, job.layout)
@@ -199,7 +211,7 @@ def _train(opts: TrainOptions, report) -> dict:
         if job.shape is not None and opts.max_memory is not None and one_row <= opts.max_memory:
             # a smaller batch would fit: the preflight names the largest that does
             preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=e.dtype, checkpointed=checkpointing,
-                      budgets=e.smallest, max_memory=opts.max_memory)
+                      budgets=e.smallest, max_memory=opts.max_memory, **how)
         raise
     steps = run_steps(opts, job)
     hyper = optimizer_settings(opts, job, config)
@@ -211,12 +223,12 @@ def _train(opts: TrainOptions, report) -> dict:
     if job.shape is not None:  # a batch whose activations cannot fit is refused before anything starts
         preflight(job.shape, batch=opts.batch, seq=job.seq, dtype=config.dtype, checkpointed=checkpointing,
                   budgets=memory["process"] + memory["device_budget_in_ram"] + memory["host_budget"],
-                  max_memory=opts.max_memory)
+                  max_memory=opts.max_memory, **how)
     engine = None
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
         t_init = time.perf_counter()
-        engine = runtime.Engine(built_model(job, checkpointing, opts.loss_chunk_tokens), config,
+        engine = runtime.Engine(built_model(job, checkpointing, opts.loss_chunk_tokens, opts.tile_tokens), config,
                                 runtime.AdamW(**hyper), seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:

@@ -58,6 +58,7 @@ class TrainOptions:
     seed: int = 0
     checkpoint_activations: bool | None = None  # None: on for 24 layers and more
     loss_chunk_tokens: int | None = None  # with --model: the loss computed over chunks of this many tokens
+    tile_tokens: int | None = None  # with --model: each decoder MLP computed over tiles of this many tokens
     collective_timeout: float | None = None  # seconds a collective waits for a stalled rank
     accumulate: int | None = None  # micro-batches per step through Engine.train_batch
     log_every: int = 10  # steps per row of OUT/log.jsonl (and per line when the output is not a terminal)
