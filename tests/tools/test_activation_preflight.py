@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from outcore.tools.activations import Shape, activation_rows, preflight
+from outcore.tools.activations import Shape, activation_rows, longest_seq, preflight
 from outcore.tools.cli import main
 
 TINY = Shape(layers=4, d_model=128, vocab=256)
@@ -36,3 +36,22 @@ def test_a_batch_far_too_large_exits_2_before_the_first_step_and_the_batch_it_na
     fits = int(re.search(r"give --batch (\d+) or less", err[0]).group(1))
     assert 1 <= fits < 100000 and not (tmp_path / "run").exists()
     assert main([*args, "--batch", str(fits), "--no-save"]) == 0
+
+
+def test_the_rows_follow_the_loss_chunks_the_tiles_and_paged_inputs():
+    """Issue 71, item 4: a run over loss chunks holds one chunk's logits, a tiled MLP one tile's wide
+    values, paged block inputs the few read back; the longest context grows to match."""
+    shape = Shape(layers=8, d_model=1024, vocab=128_256)
+    whole = activation_rows(shape, batch=1, seq=32_768, dtype="bf16", checkpointed=True)
+    how = {"loss_chunk": 1024, "tile": 4096, "inputs_paged": True}
+    pieces = activation_rows(shape, batch=1, seq=32_768, dtype="bf16", checkpointed=True, **how)
+    assert whole["logits, their fp32 loss and its gradient"] == 32_768 * 3 * 128_256 * 4
+    assert pieces["logits of one loss chunk of 1,024 tokens, fp32, and their gradient"] == 1024 * 3 * 128_256 * 4
+    assert pieces["block inputs paged (those read back at once)"] == 3 * 32_768 * 1024 * 2
+    assert pieces["one block recomputed in backward, its MLP over tiles of 4,096"] == \
+        (32_768 * 9 + 4096 * 8) * 1024 * 2
+    room = 4 << 30
+    longest = longest_seq(shape, batch=1, dtype="bf16", checkpointed=True, room=room, **how)
+    assert sum(activation_rows(shape, batch=1, seq=longest, dtype="bf16", checkpointed=True, **how).values()) <= room
+    assert sum(activation_rows(shape, batch=1, seq=longest + 1, dtype="bf16", checkpointed=True, **how).values()) > room
+    assert longest > 16 * longest_seq(shape, batch=1, dtype="bf16", checkpointed=True, room=room)
