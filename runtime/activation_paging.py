@@ -17,6 +17,7 @@ One `SavedActivations` (runtime/saved_activations.py) per forward under grad (`e
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -25,6 +26,8 @@ import torch
 
 from outcore.offload import Tier, TieredStore
 from outcore.runtime.saved_activations import SavedActivations
+
+log = logging.getLogger("outcore.runtime.activations")
 
 
 class Placement(Protocol):
@@ -43,6 +46,7 @@ class ActivationPaging:
         self.pages_states = ({config.offload_params, config.offload_optimizer} != {"none"}
                              or config.host_budget is not None)
         self._since_step: list[SavedActivations] = []
+        self._said_compiled = False
         self.last_step = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}
 
     def for_batch(self) -> SavedActivations:
@@ -51,9 +55,16 @@ class ActivationPaging:
         return self._saved(self._tier() if paged else None, in_place=0)
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        """Around one `engine(...)`: what it saves for backward, paged (nothing where none pages)."""
-        if self.mode == "none" or not torch.is_grad_enabled():
+    def forward(self, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Around one `engine(...)`: what it saves for backward, paged (nothing where none pages).
+        A compiled model's saved tensors stay where they are: Dynamo cannot trace the hooks that
+        page them (said once where paging was asked for)."""
+        compiled = torch.compiler.is_compiling() or getattr(model, "_compiled_call_impl", None) is not None
+        if compiled and self.mode in ("cpu", "nvme") and not self._said_compiled:
+            self._said_compiled = True
+            log.warning("offload_activations=%r: a compiled model's saved activations stay in place (torch.compile "
+                        "cannot trace the hooks that page them); run the model uncompiled to page them", self.mode)
+        if self.mode == "none" or not torch.is_grad_enabled() or compiled:
             yield
             return
         in_place = free_memory(self.device) // 2 if self.mode == "auto" else 0

@@ -186,7 +186,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.schedule.check()  # backward may start updates at this rate: refused now, not halfway
-        with self.activations.forward():
+        with self.activations.forward(self.model):
             return self.lifecycle.forward(self.model, args, kwargs)
 
     @_engine_call

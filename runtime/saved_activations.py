@@ -68,6 +68,8 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: the graph keeps what it saves
+            return t
         if t.nbytes < PAGED_BYTES or self.is_parameter(t) or t.layout is not torch.strided:
             return t
         if self.in_place >= t.nbytes:
