@@ -29,6 +29,8 @@ from outcore.runtime.saved_activations import SavedActivations
 
 log = logging.getLogger("outcore.runtime.activations")
 
+ACTIVATION_HOST = 1 << 30  # the most a derived host budget adds for paged activations
+
 
 class Placement(Protocol):
     """What of `Config` this reads (runtime/config.py imports the policy this module's names come from)."""
@@ -86,6 +88,14 @@ class ActivationPaging:
         self.last_step = {"bytes_paged": sum(s.bytes_put for s in passes),
                           "bytes_from_nvme": sum(s.bytes_from_nvme for s in passes),
                           "bytes_kept": sum(s.bytes_kept for s in passes)}
+
+
+def host_share(mode: str, available: int) -> int:
+    """HOST bytes a derived host budget adds where activations are asked to page ("cpu", "nvme"):
+    room for the keys on their way out and those read back ahead of backward (an eighth of the
+    available memory, at most 1 GiB). A budget sized for the states alone (a few KiB where
+    nothing is offloaded) would hold no block input, and they would stay in place."""
+    return min(available // 8, ACTIVATION_HOST) if mode in ("cpu", "nvme") else 0
 
 
 def free_memory(device: torch.device) -> int:

@@ -24,6 +24,7 @@ from outcore.offload import StorageFullError, Tier, TieredStore
 from outcore.offload.file_source import FileSpan
 from outcore.offload.owned_dir import OwnedDir
 from outcore.offload.scratch_dir import prepare_directory, remove_made
+from outcore.runtime.activation_paging import host_share
 from outcore.runtime.checkpoint.sharded_model import AnchorParameter
 from outcore.runtime.config import SEEDS, Config
 from outcore.runtime.flat_unit import FlatUnit
@@ -108,6 +109,8 @@ def open_store(config: Config, policy: StatePolicy, device: torch.device, rank: 
         pin_mmap_threshold(mmap_threshold_for(host_budget + (device_budget if device.type == "cpu" else 0)))
     kept, read_ahead = plan.kept_units(host_budget), plan.read_ahead(host_budget)
     plan = plan.placed(kept)
+    if c.host_budget is None:  # the states' budget, then room for activations asked to page
+        host_budget += host_share(c.offload_activations, psutil.virtual_memory().available)
     if plan.nvme.total:  # the states that rest on NVMe must fit: refuse now, with both numbers
         assert c.nvme_dir is not None  # Config requires it with anything on NVMe
         usage = shutil.disk_usage(prepare_directory(c.nvme_dir))

@@ -172,3 +172,21 @@ def test_activations_past_the_budgets_train_within_them(tmp_path):
             assert got["activations"]["bytes_from_nvme"] >= 24 * (16 << 20)
     assert grown["none"] > 500 << 20, grown
     assert grown["nvme"] < (96 << 20) + 6 * (16 << 20), grown
+
+
+def test_a_run_with_its_states_in_memory_pages_what_it_is_asked_to(tmp_path, monkeypatch):
+    """Nothing offloaded: the derived HOST budget holds the states' few bytes, and gets room for the
+    activations asked to page (runtime/activation_paging.py host_share), which then page."""
+    monkeypatch.setattr(saved_activations, "PAGED_BYTES", 1 << 10)
+    data = batches(2, batch=2, vocab=128)
+    engines = {}
+    for mode in ("none", "nvme"):
+        torch.manual_seed(0)
+        cfg = outcore.Config(stage=3, nvme_dir=str(tmp_path / mode), grad_accumulation=2, offload_activations=mode)
+        engines[mode] = outcore.Engine(TinyGPT(d=64, vocab=128, tied=False, checkpointing=True), cfg,
+                                       outcore.AdamW(lr=1e-2))
+    (_, kept), (_, paged) = plain_steps(engines["none"], data), plain_steps(engines["nvme"], data)
+    assert kept[0]["bytes_paged"] == 0 < paged[0]["bytes_paged"] and paged[0]["bytes_kept"] == 0
+    assert_bit_equal(engines["none"], engines["nvme"])
+    for engine in engines.values():
+        engine.close()
