@@ -29,6 +29,7 @@ from outcore.runtime.policy import DTYPES
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
 HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
 MLP_VALUES = 8  # of BLOCK_VALUES: the MLP's wide hidden layer and its activation (2 x 4 of the width)
+INPUTS_SHARE = 1 / 8  # of --max-memory: block inputs beyond it page to NVMe under `auto`
 PAGED_IN_MEMORY = 3  # block inputs a paged step holds at once: the one recomputed and two read ahead
 
 
@@ -63,6 +64,15 @@ def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpoin
         rows[f"logits of one loss chunk of {loss_chunk:,} tokens, fp32, and their gradient"] = \
             min(tokens, loss_chunk) * HEAD_VALUES * shape.vocab * 4
     return rows
+
+
+def pages_inputs(shape: Shape, *, batch: int, seq: int, dtype: str, max_memory: int | None) -> bool:
+    """Whether `--offload-activations auto` pages a checkpointed run's block inputs to NVMe: under
+    --max-memory, where they would take more than `INPUTS_SHARE` of it (without a bound, the
+    engine decides as a pass runs: runtime/activation_paging.py)."""
+    if max_memory is None:
+        return False
+    return batch * seq * shape.layers * shape.d_model * DTYPES[dtype][1] > max_memory * INPUTS_SHARE
 
 
 def longest_seq(shape: Shape, *, batch: int, dtype: str, checkpointed: bool, room: int, **how: Any) -> int:

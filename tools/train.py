@@ -10,6 +10,7 @@ the working directory that is removed afterwards. Each choice is printed once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
-from outcore.tools.activations import activation_rows, preflight
+from outcore.tools.activations import activation_rows, pages_inputs, preflight
 from outcore.tools.arg_types import MOST_STEPS
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
@@ -195,6 +196,12 @@ def _train(opts: TrainOptions, report) -> dict:
     job = make_job(opts)
     checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
                      else job.checkpoint_activations)
+    if (opts.offload_activations is None and checkpointing and job.shape is not None
+            and pages_inputs(job.shape, batch=opts.batch, seq=job.seq, dtype=opts.dtype or "bf16",
+                             max_memory=opts.max_memory)):
+        opts = dataclasses.replace(opts, offload_activations="nvme")
+        report("outcore train: activations: the block inputs kept for backward page to NVMe (more than an eighth "
+               "of --max-memory; --offload-activations to choose)")
 
     # what the step holds: the loss's chunks, the MLPs' tiles, and the block inputs paged where asked
     how: dict[str, Any] = {"loss_chunk": opts.loss_chunk_tokens, "tile": opts.tile_tokens,

@@ -55,3 +55,12 @@ def test_the_rows_follow_the_loss_chunks_the_tiles_and_paged_inputs():
     assert sum(activation_rows(shape, batch=1, seq=longest, dtype="bf16", checkpointed=True, **how).values()) <= room
     assert sum(activation_rows(shape, batch=1, seq=longest + 1, dtype="bf16", checkpointed=True, **how).values()) > room
     assert longest > 16 * longest_seq(shape, batch=1, dtype="bf16", checkpointed=True, room=room)
+
+
+def test_auto_pages_block_inputs_past_an_eighth_of_the_bound():
+    from outcore.tools.activations import pages_inputs
+
+    shape = Shape(layers=8, d_model=1024, vocab=128_256)  # 16 KiB of block inputs a token in bf16
+    assert pages_inputs(shape, batch=1, seq=65_536, dtype="bf16", max_memory=6 << 30)  # 1 GiB > 768 MiB
+    assert not pages_inputs(shape, batch=1, seq=32_768, dtype="bf16", max_memory=6 << 30)  # 512 MiB
+    assert not pages_inputs(shape, batch=1, seq=1 << 20, dtype="bf16", max_memory=None)  # the engine decides
