@@ -29,6 +29,8 @@ from outcore.runtime.policy import DTYPES
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
 HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
 MLP_VALUES = 8  # of BLOCK_VALUES: the MLP's wide hidden layer and its activation (2 x 4 of the width)
+CHUNK_BYTES = 256 << 20  # a loss chunk's fp32 logits, loss and gradient at most
+TILE_SHARE = 1 / 16  # of the run's memory: one block's wide MLP values beyond it are tiled
 INPUTS_SHARE = 1 / 8  # of --max-memory: block inputs beyond it page to NVMe under `auto`
 PAGED_IN_MEMORY = 3  # block inputs a paged step holds at once: the one recomputed and two read ahead
 
@@ -64,6 +66,24 @@ def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpoin
         rows[f"logits of one loss chunk of {loss_chunk:,} tokens, fp32, and their gradient"] = \
             min(tokens, loss_chunk) * HEAD_VALUES * shape.vocab * 4
     return rows
+
+
+def auto_loss_chunk(shape: Shape) -> int:
+    """The loss's chunk where not given: the most tokens (a power of two, 256 to 8,192) whose fp32
+    logits, their loss and its gradient take at most `CHUNK_BYTES`."""
+    fits = CHUNK_BYTES // (HEAD_VALUES * shape.vocab * 4)
+    return min(8192, max(256, 1 << max(0, fits.bit_length() - 1)))
+
+
+def auto_tile(shape: Shape, *, seq: int, dtype: str, memory: int) -> int | None:
+    """The MLP's tile where not given: None (untiled) where one block's wide MLP values for `seq`
+    tokens take at most `TILE_SHARE` of `memory` (so a short context pays nothing for tiling), else
+    the most tokens (a power of two) whose values do."""
+    per_token = MLP_VALUES * shape.d_model * DTYPES[dtype][1]
+    fits = int(memory * TILE_SHARE) // per_token
+    if seq <= fits:
+        return None
+    return 1 << max(0, fits.bit_length() - 1)
 
 
 def pages_inputs(shape: Shape, *, batch: int, seq: int, dtype: str, max_memory: int | None) -> bool:

@@ -229,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tag", help="with --resume: the checkpoint to continue from (default: the latest)")
     t.add_argument("--data-changed-ok", action="store_true", help="with --resume: go on though a data file's bytes "
                    "differ from what the run recorded as it started (said, naming the file; default: refused)")
-    t.add_argument("--loss-chunk-tokens", type=positive_int, metavar="N", help="with --model: the head and the loss "
-                   "computed N tokens at a time, forward and backward, never the whole logits (default: off)")
-    t.add_argument("--tile-tokens", type=positive_int, metavar="N", help="with --model: each decoder layer's MLP "
-                   "computed N tokens of the sequence at a time, forward and backward (default: off)")
+    t.add_argument("--loss-chunk-tokens", type=non_negative_int, metavar="N", help="with --model: the head and the "
+                   "loss computed N tokens at a time, forward and backward, never the whole logits (default: chosen "
+                   "from the vocabulary; 0: the whole logits)")
+    t.add_argument("--tile-tokens", type=non_negative_int, metavar="N", help="with --model: each decoder layer's "
+                   "MLP computed N tokens of the sequence at a time, forward and backward (default: tiles where one "
+                   "block's MLP would pass a sixteenth of the memory; 0: untiled)")
     t.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction,
                    help="recompute blocks in backward (default: on for 24 layers and more)")
     t.add_argument("--seed", type=int_in(SEEDS), default=0,

@@ -22,10 +22,8 @@ from typing import Any
 import torch
 
 from outcore import runtime
-from outcore.hf.chunked_head import install_chunked_loss
 from outcore.hf.data_mix import data_file
-from outcore.hf.model_info import hf_checkpointing, wrapped_model
-from outcore.hf.tiled_mlp import install_tiled_mlp
+from outcore.hf.model_info import hf_checkpointing
 from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
@@ -41,6 +39,7 @@ from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
 from outcore.tools.run_record import record
+from outcore.tools.sequence_pieces import WHOLE, Pieces, chosen_pieces, install_pieces
 from outcore.tools.train_config import build_config
 from outcore.tools.train_flags import check_flags
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
@@ -74,21 +73,17 @@ def optimizer_settings(opts: TrainOptions, job: Job, config: runtime.Config) -> 
     return hyper
 
 
-def built_model(job: Job, checkpointing: bool, loss_chunk_tokens: int | None = None,
-                tile_tokens: int | None = None) -> torch.nn.Module:
-    """The job's model (parameters on the meta device), its activation checkpointing as asked, its
-    loss over chunks of `loss_chunk_tokens` tokens (hf/chunked_head.py) and its MLPs over tiles of
-    `tile_tokens` (hf/tiled_mlp.py) where given."""
+def built_model(job: Job, checkpointing: bool, pieces: Pieces = WHOLE) -> torch.nn.Module:
+    """The job's model (parameters on the meta device), its activation checkpointing as asked, and
+    its loss over chunks and MLPs over tiles where `pieces` has them (tools/sequence_pieces.py)."""
     model = job.build()
     enable = hf_checkpointing(model)
-    for flag, given, what in (("--loss-chunk-tokens", loss_chunk_tokens, "causal LM's loss over chunks"),
-                              ("--tile-tokens", tile_tokens, "decoder's MLPs over tiles")):
+    for flag, given, what in (("--loss-chunk-tokens", pieces.loss_chunk, "causal LM's loss over chunks"),
+                              ("--tile-tokens", pieces.tile, "decoder's MLPs over tiles")):
         if given is not None and enable is None:
             raise ValueError(f"{flag} computes a Hugging Face {what}: give --model.")
-    if loss_chunk_tokens is not None:
-        install_chunked_loss(wrapped_model(model), loss_chunk_tokens)
-    if tile_tokens is not None:
-        install_tiled_mlp(model, tile_tokens)
+    if enable is not None:
+        install_pieces(model, pieces)
     if enable is not None:  # a Hugging Face model: its own
         if checkpointing:
             enable()
@@ -204,8 +199,12 @@ def _train(opts: TrainOptions, report) -> dict:
                "of --max-memory; --offload-activations to choose)")
 
     # what the step holds: the loss's chunks, the MLPs' tiles, and the block inputs paged where asked
-    how: dict[str, Any] = {"loss_chunk": opts.loss_chunk_tokens, "tile": opts.tile_tokens,
-                           "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
+    pieces = chosen_pieces(hf=bool(opts.model), shape=job.shape, loss_chunk_tokens=opts.loss_chunk_tokens,
+                           tile_tokens=opts.tile_tokens, tokens=job.seq, dtype=opts.dtype or "bf16",
+                           max_memory=opts.max_memory)
+    how: dict[str, Any] = {**pieces.as_rows(), "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
+    if pieces.chosen:
+        report(f"outcore train: sequence: {pieces.in_words()}")
 
     def activations(dtype: str) -> int:
         return 0 if job.shape is None else sum(activation_rows(job.shape, batch=opts.batch, seq=job.seq, dtype=dtype,
@@ -235,7 +234,7 @@ def _train(opts: TrainOptions, report) -> dict:
     log = RunLog(opts.out, report_to=opts.report_to, enabled=False)  # opened once the run starts
     try:
         t_init = time.perf_counter()
-        engine = runtime.Engine(built_model(job, checkpointing, opts.loss_chunk_tokens, opts.tile_tokens), config,
+        engine = runtime.Engine(built_model(job, checkpointing, pieces), config,
                                 runtime.AdamW(**hyper), seed=opts.seed, **job.engine_kw)
         init_seconds = time.perf_counter() - t_init
         if opts.resume:

@@ -64,3 +64,13 @@ def test_auto_pages_block_inputs_past_an_eighth_of_the_bound():
     assert pages_inputs(shape, batch=1, seq=65_536, dtype="bf16", max_memory=6 << 30)  # 1 GiB > 768 MiB
     assert not pages_inputs(shape, batch=1, seq=32_768, dtype="bf16", max_memory=6 << 30)  # 512 MiB
     assert not pages_inputs(shape, batch=1, seq=1 << 20, dtype="bf16", max_memory=None)  # the engine decides
+
+
+def test_the_chosen_pieces_follow_the_vocabulary_and_the_memory():
+    from outcore.tools.activations import auto_loss_chunk, auto_tile
+
+    llama3 = Shape(layers=8, d_model=1024, vocab=128_256)
+    assert auto_loss_chunk(llama3) == 256 and auto_loss_chunk(Shape(2, 32, 64)) == 8192
+    assert auto_tile(llama3, seq=4096, dtype="bf16", memory=6 << 30) is None  # a short context runs its MLPs whole
+    tile = auto_tile(llama3, seq=32_768, dtype="bf16", memory=6 << 30)
+    assert tile == 16_384 and tile * 8 * 1024 * 2 <= (6 << 30) / 16 < 2 * tile * 8 * 1024 * 2
