@@ -20,6 +20,7 @@ from torch import nn
 
 from outcore.hf import adapter_init, model_info
 from outcore.hf.adapter_merge import adapter_merge, merge_record
+from outcore.hf.attention_guard import guard_attention
 from outcore.hf.chunked_head import CALLS_HEAD
 from outcore.hf.conversion import MergedTensor, assemble, convert_names
 from outcore.hf.task_head import seeded_init, task_head
@@ -82,6 +83,7 @@ class HuggingFaceFamily(ModelFamily):
     def check(self) -> None:
         adapter_init.check_adapter_inits(self.model)
         _refuse_parameter_adapters(self.model)
+        guard_attention(self.model)  # at long context, no seq x seq tensor: hf/attention_guard.py
 
     def init_for(self, name: str) -> Callable[[nn.Module], None] | None:
         return model_info.hf_init_for(self.model, name)
