@@ -43,11 +43,17 @@ class Shape:
 
 
 def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool,
-                    loss_chunk: int | None = None, tile: int | None = None, inputs_paged: bool = False
-                    ) -> dict[str, int]:
+                    loss_chunk: int | None = None, tile: int | None = None, inputs_paged: bool = False,
+                    tile_memory: int | None = None, inputs_bound: int | None = None) -> dict[str, int]:
     """Bytes by part, per rank, for one micro-batch of `batch` x `seq` tokens; `loss_chunk`,
     `tile`: tokens of the loss's chunks and of the MLP's tiles (None: whole); `inputs_paged`: the
-    checkpointed blocks' inputs page out of memory."""
+    checkpointed blocks' inputs page out of memory. As `outcore train` chooses them: `tile_memory`,
+    tiles chosen for that much memory (`auto_tile`); `inputs_bound`, inputs paged as `auto` pages
+    them under that --max-memory (`pages_inputs`)."""
+    if tile is None and tile_memory is not None:
+        tile = auto_tile(shape, seq=seq, dtype=dtype, memory=tile_memory)
+    if inputs_bound is not None and checkpointed:
+        inputs_paged = inputs_paged or pages_inputs(shape, batch=batch, seq=seq, dtype=dtype, max_memory=inputs_bound)
     tokens, elem = batch * seq, DTYPES[dtype][1]
     mlp_tokens = tokens if tile is None else batch * min(seq, tile)
     block = (tokens * (BLOCK_VALUES - MLP_VALUES) + mlp_tokens * MLP_VALUES) * shape.d_model * elem
@@ -73,6 +79,13 @@ def auto_loss_chunk(shape: Shape) -> int:
     logits, their loss and its gradient take at most `CHUNK_BYTES`."""
     fits = CHUNK_BYTES // (HEAD_VALUES * shape.vocab * 4)
     return min(8192, max(256, 1 << max(0, fits.bit_length() - 1)))
+
+
+def chosen_by_train(shape: Shape, max_memory: int | None) -> dict[str, Any]:
+    """`activation_rows`' keywords for a step as `outcore train --model` computes it by default: the
+    loss over chunks, tiles for the memory, the block inputs paged as `auto` pages them."""
+    return {"loss_chunk": auto_loss_chunk(shape), "tile_memory": available_memory(max_memory),
+            "inputs_bound": max_memory}
 
 
 def auto_tile(shape: Shape, *, seq: int, dtype: str, memory: int) -> int | None:

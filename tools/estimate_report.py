@@ -15,7 +15,7 @@ from outcore.runtime.policy import StatePolicy
 from outcore.runtime.sizes import human_bytes
 from outcore.tools import machine_rates
 from outcore.tools import step_estimate as se
-from outcore.tools.activations import Shape, activation_rows
+from outcore.tools.activations import Shape, activation_rows, chosen_by_train
 from outcore.tools.estimate_model import SizedModel
 from outcore.tools.estimate_verdict import Machine, Verdict, longest_context
 from outcore.tools.report import table
@@ -59,8 +59,10 @@ def step_activations(args: argparse.Namespace, model: SizedModel) -> int:
         return 0
     layers, d_model, vocab, context = model.dims
     checkpointed = args.checkpoint_activations or model.hf or layers >= 24
-    return sum(activation_rows(Shape(layers, d_model, vocab), batch=args.batch or 1, seq=args.seq or context,
-                               dtype=args.dtype, checkpointed=checkpointed).values())
+    shape = Shape(layers, d_model, vocab)
+    how = chosen_by_train(shape, args.max_memory) if model.hf else {}  # (its loss chunks and tiles)
+    return sum(activation_rows(shape, batch=args.batch or 1, seq=args.seq or context, dtype=args.dtype,
+                               checkpointed=checkpointed, **how).values())
 
 
 def predicted_step(args: argparse.Namespace, model: SizedModel, recommended: Verdict) -> dict | None:
@@ -211,4 +213,4 @@ def max_seq_lines(args: argparse.Namespace, model: SizedModel, recommended: Verd
     layers, d_model, vocab, _ = model.dims
     return longest_context(recommended, machine, Shape(layers, d_model, vocab), batch=args.batch or 1,
                            dtype=args.dtype, checkpointed=args.checkpoint_activations or model.hf or layers >= 24,
-                           device=args.device, max_memory=args.max_memory)
+                           device=args.device, max_memory=args.max_memory, pieces=model.hf)

@@ -13,11 +13,12 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
 from outcore.runtime.sizes import human_bytes
-from outcore.tools.activations import Shape, activation_rows, available_memory, longest_seq
+from outcore.tools.activations import Shape, activation_rows, available_memory, chosen_by_train, longest_seq
 from outcore.tools.estimate import estimate
 from outcore.tools.memory_bound import MemoryBound, choose_offload
 
@@ -146,10 +147,11 @@ def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
 
 
 def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, dtype: str, checkpointed: bool,
-                    device: str, max_memory: int | None) -> tuple[int, list[str]]:
+                    device: str, max_memory: int | None, pieces: bool = False) -> tuple[int, list[str]]:
     """`estimate --max-seq`: the longest `--seq` whose activations fit beside the verdict's budgets, in
     the memory where they live (on a CPU the RAM available, or --max-memory, less this process, as
-    `outcore train`'s preflight counts them; on a GPU its memory), and what to say of it."""
+    `outcore train`'s preflight counts them; on a GPU its memory), and what to say of it. `pieces`:
+    the loss over chunks, MLP tiles and paged block inputs as `outcore train --model` chooses them."""
     if device == "cpu":
         total, where = (max_memory, f"--max-memory {human_bytes(max_memory)}") if max_memory is not None else (
             machine.ram_available, f"the {human_bytes(machine.ram_available)} of RAM available")
@@ -157,11 +159,16 @@ def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, d
     else:
         total, where = int(GPU_SHARE * machine.gpu_bytes), f"{machine.gpu or 'the GPU'}'s memory"
         room = total - v.device_budget
-    seq = longest_seq(shape, batch=batch, dtype=dtype, checkpointed=checkpointed, room=room)
+    how: dict[str, Any] = {}
+    if pieces:  # as `outcore train --model` computes the step (tools/sequence_pieces.py)
+        how = {**chosen_by_train(shape, max_memory), "tile_memory": total}
+    seq = longest_seq(shape, batch=batch, dtype=dtype, checkpointed=checkpointed, room=room, **how)
     if seq < 1:
         return 0, [f"longest context: none; the budgets leave {human_bytes(max(room, 0))} of {where} for activations"]
-    per_token = sum(activation_rows(shape, batch=batch, seq=1, dtype=dtype, checkpointed=checkpointed).values())
-    return seq, [f"longest context: --seq {seq:,} at --batch {batch} ({human_bytes(per_token)} of activations a token, "
-                 f"{'checkpointed' if checkpointed else 'kept whole'}; {human_bytes(room)} of {where} beside the "
-                 "budgets)",
+    need = sum(activation_rows(shape, batch=batch, seq=seq, dtype=dtype, checkpointed=checkpointed, **how).values())
+    kept = "checkpointed" if checkpointed else "kept whole"
+    if pieces:
+        kept += ", the loss over chunks, MLPs tiled as train chooses"
+    return seq, [f"longest context: --seq {seq:,} at --batch {batch} ({human_bytes(need)} of activations, {kept}; "
+                 f"{human_bytes(room)} of {where} beside the budgets)",
                  f"  outcore train ... --batch {batch} --seq {seq} {v.flags()}"]
