@@ -40,7 +40,9 @@ def train_args(tmp_path, model_dir, data, *extra):
 
 
 def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft(tmp_path, model_dir, jsonl, capsys):
-    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "20", "--lr", "3e-2")) == 0
+    # (at 3e-2 this LoRA plateaus near 4.4 by step 10, where the loss's rounding, a chunk at a time or
+    # whole, decides whether the last five steps' mean is 0.2 below the first; at 1e-2 it reaches 4.17)
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "20", "--lr", "1e-2")) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert len(s["losses"]) == 20 and s["trainable_params"] < s["params"] / 2
     assert sum(s["losses"][-5:]) / 5 < s["losses"][0] - 0.2
@@ -56,7 +58,7 @@ def test_lora_from_the_command_line_lowers_the_loss_and_its_export_loads_in_peft
     assert "LoRA r=8" in capsys.readouterr().out
     # Resume continues from the last checkpoint; this time the adapters are also merged into the model,
     # which loads alone and equals peft's merge of the adapters written beside it.
-    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "3e-2", "--resume",
+    assert main(train_args(tmp_path, model_dir, jsonl, "--lora", "8", "--steps", "22", "--lr", "1e-2", "--resume",
                            "--merge-adapters")) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["start_step"] == 20 and s["exported"] == str(tmp_path / "run" / "model")
