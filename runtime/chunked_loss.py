@@ -71,8 +71,8 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             d.mul_(per_token[at : at + ctx.chunk, None])
             if squashed is not None:  # through cap * tanh(x / cap)
                 d.mul_(1 - squashed * squashed)
-            if grad_hidden is not None:
-                grad_hidden[at : at + ctx.chunk] = (d @ weight.float()).to(hidden.dtype)
+            if grad_hidden is not None:  # in the weight's dtype, as autograd takes the model's own (no fp32 copy
+                grad_hidden[at : at + ctx.chunk] = (d.to(weight.dtype) @ weight).to(hidden.dtype)  # of it a chunk)
             if grad_weight is not None:
                 grad_weight.addmm_(d.t(), rows.float())
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,

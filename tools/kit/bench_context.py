@@ -12,7 +12,7 @@ and torch's AdamW; "outcore" is `outcore train --model` with `--max-memory`. The
 process's resident memory and stops one that passes `--max-memory` (the plain peer has no such
 bound of its own): its row says "over". The table gives, per kind and length, the medians over the
 rounds of the peak RSS and of the seconds of the steps after the first (of the only step where
-`--steps 1`), and each kind's longest context that trained.
+`--steps 1`; outcore's from its log.jsonl), and each kind's longest context that trained.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def one_run(kind: str, model: str, root: str, seq: int, steps: int, bound: int |
     report = os.path.join(root, f"{kind}-{seq}.json")
     if os.path.exists(report):
         os.remove(report)
+    shutil.rmtree(os.path.join(root, f"run-{seq}"), ignore_errors=True)  # a round's run starts anew
     if kind == "plain":
         cmd = [sys.executable, "-m", "outcore.tools.kit.bench_context", "--peer", model, data, str(seq), str(steps),
                report]
@@ -147,8 +149,11 @@ def one_run(kind: str, model: str, root: str, seq: int, steps: int, bound: int |
         if kind == "plain":
             seconds = got["seconds"][1:] or got["seconds"]
             row["seconds"] = statistics.median(seconds)
-        else:
-            row["seconds"] = got["seconds_per_step"]
+        else:  # each step's seconds from the run's log (its one row of --seq tokens a step), as plain's
+            with open(os.path.join(root, f"run-{seq}", "log.jsonl")) as f:
+                logged = [json.loads(line) for line in f]
+            seconds = [seq / r["tokens_per_second"] for r in logged if "tokens_per_second" in r]
+            row["seconds"] = statistics.median(seconds[1:] or seconds)
             row["activations_paged"] = got.get("activation_bytes_paged_per_step")
     else:
         row["why"] = "over --max-memory" if code == -9 else tail.strip().splitlines()[-1] if tail.strip() else ""
