@@ -42,9 +42,10 @@ WORDS = [f"w{i}" for i in range(8000)]
 KINDS = ("plain", "outcore")
 
 
-def model_dir(root: str) -> str:
-    """The Llama shape saved once under `root` (bf16, random weights, a word-level tokenizer)."""
-    path = os.path.join(root, "llama-context")
+def model_dir(root: str, shape: dict[str, Any] | None = None) -> str:
+    """The Llama `shape` (default: `SHAPE`) saved once under `root` (bf16, random weights, a word-level
+    tokenizer)."""
+    path = os.path.join(root, "llama-context" if shape is None else "llama-context-small")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -52,7 +53,7 @@ def model_dir(root: str) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
-    model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+    model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(shape or SHAPE)))
     model.to(torch.bfloat16).save_pretrained(path)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
