@@ -23,8 +23,16 @@ from torch import nn
 
 from outcore.runtime.chunked_loss import IGNORE, chunked_cross_entropy
 
+CHUNK_BYTES = 256 << 20  # a chunk's fp32 logits, their loss and its gradient at most (`chosen_chunk`)
 CALLS_HEAD = "outcore_calls_head"  # marks a replaced forward that calls the head module (hf/model_family.py)
 _KNOWN_SCALING = ("logit_scale", "logits_scaling", "output_multiplier_scale")  # other models' logit factors
+
+
+def chosen_chunk(vocab: int) -> int:
+    """A chunk where none is given: the most tokens (a power of two, 256 to 8,192) whose fp32 logits,
+    their loss and its gradient (3 values of the vocabulary a token) take at most `CHUNK_BYTES`."""
+    fits = CHUNK_BYTES // (3 * vocab * 4)
+    return min(8192, max(256, 1 << max(0, fits.bit_length() - 1)))
 
 
 def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:

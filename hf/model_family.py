@@ -21,9 +21,10 @@ from torch import nn
 from outcore.hf import adapter_init, model_info
 from outcore.hf.adapter_merge import adapter_merge, merge_record
 from outcore.hf.attention_guard import guard_attention
-from outcore.hf.chunked_head import CALLS_HEAD
+from outcore.hf.chunked_head import CALLS_HEAD, chosen_chunk, install_chunked_loss
 from outcore.hf.conversion import MergedTensor, assemble, convert_names
 from outcore.hf.task_head import seeded_init, task_head
+from outcore.hf.tiled_mlp import chosen_tile, install_tiled_mlp
 from outcore.runtime.model_family import (
     AdapterFiles,
     ComposedTensor,
@@ -84,6 +85,25 @@ class HuggingFaceFamily(ModelFamily):
         adapter_init.check_adapter_inits(self.model)
         _refuse_parameter_adapters(self.model)
         guard_attention(self.model)  # at long context, no seq x seq tensor: hf/attention_guard.py
+
+    def split_sequence(self, loss_chunk: int | str | None, tile: int | str | None, free_memory: int) -> None:
+        inner = self.inner()
+        config = getattr(inner, "config", None)
+        if loss_chunk is not None:
+            vocab = getattr(config, "vocab_size", None)
+            chunk = loss_chunk if loss_chunk != "auto" else chosen_chunk(vocab) if isinstance(vocab, int) else None
+            if chunk is None:
+                raise ValueError(f"loss_chunk_tokens='auto': {type(inner).__name__}'s config names no vocab_size to "
+                                 "choose a chunk from; give a number of tokens.")
+            install_chunked_loss(inner, int(chunk))
+        if tile is not None:
+            if tile == "auto":
+                width = getattr(config, "hidden_size", None)
+                if not isinstance(width, int):
+                    raise ValueError(f"tile_tokens='auto': {type(inner).__name__}'s config names no hidden_size to "
+                                     "choose a tile from; give a number of tokens.")
+                tile = chosen_tile(width, free_memory)
+            install_tiled_mlp(self.model, int(tile))
 
     def init_for(self, name: str) -> Callable[[nn.Module], None] | None:
         return model_info.hf_init_for(self.model, name)

@@ -20,6 +20,15 @@ from torch import nn
 from outcore.runtime.tiled import tiled
 
 TILED = "outcore_tiled"  # marks an MLP whose forward was replaced here
+TILE_SHARE = 1 / 16  # of the free memory: one layer's wide MLP values in a tile at most (`chosen_tile`)
+MLP_VALUES = 8  # values of the width a position's MLP keeps (its wide layer and activation, 2 x 4)
+
+
+def chosen_tile(width: int, free_memory: int, elem: int = 2) -> int:
+    """A tile where none is given: the most tokens (a power of two) whose wide MLP values take at
+    most `TILE_SHARE` of `free_memory`."""
+    fits = int(free_memory * TILE_SHARE) // (MLP_VALUES * width * elem)
+    return 1 << max(0, fits.bit_length() - 1)
 
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:

@@ -53,6 +53,10 @@ class Config:
                        rank becomes an error on every rank (used when the engine makes the group).
     offload_activations: "auto", "none", "cpu" or "nvme": where what autograd saves outside the
                        checkpointed units goes until backward (runtime/activation_paging.py).
+    loss_chunk_tokens, tile_tokens: a Hugging Face causal LM's loss computed over chunks of this
+                       many tokens (its labelled forward then returns no logits) and its decoder
+                       MLPs over tiles of this many; "auto": chosen from its shape and the device's
+                       free memory; None: whole (hf/chunked_head.py, hf/tiled_mlp.py).
     quantize:          None, "nf4", "fp4" or "int8": frozen Linear weights rest in the tiers quantized
                        as bitsandbytes quantizes them, dequantized as their unit is gathered
                        (runtime/quantized.py); `quantize_double` quantizes a 4-bit weight's scales too.
@@ -77,6 +81,8 @@ class Config:
     quantize: str | None = None
     quantize_double: bool = False
     offload_activations: str = "auto"
+    loss_chunk_tokens: int | str | None = None
+    tile_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.io, dict):
@@ -93,6 +99,10 @@ class Config:
         if self.offload_activations not in ACTIVATION_OFFLOADS:
             raise ValueError(f"offload_activations={quoted(self.offload_activations)}: use one of "
                              f"{', '.join(ACTIVATION_OFFLOADS)}.")
+        for key in ("loss_chunk_tokens", "tile_tokens"):
+            v = getattr(self, key)
+            if not (v is None or v == "auto" or (type(v) is int and v >= 1)):
+                raise ValueError(f"{key}={quoted(v)}: give a number of tokens (at least 1), \"auto\" or None.")
         if "nvme" in (self.offload_params, self.offload_optimizer, self.offload_activations) and not self.nvme_dir:
             raise ValueError("nvme_dir is required when offload_params, offload_optimizer or offload_activations is "
                              "'nvme'.")

@@ -32,7 +32,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from outcore.offload import Tier
 from outcore.offload.exit_close import close_at_exit, forget
 from outcore.runtime import engine_start as start
-from outcore.runtime.activation_paging import ActivationPaging
+from outcore.runtime.activation_paging import ActivationPaging, free_memory
 from outcore.runtime.checkpoint.base_files import base_files
 from outcore.runtime.checkpoint.sharded import load_checkpoint, save_checkpoint
 from outcore.runtime.checkpoint.sharded_model import ShardedModel
@@ -96,6 +96,7 @@ class Engine:
 
         self.family = family_of(model)  # what the engine asks of the model beyond nn.Module
         self.family.check()
+        self.family.split_sequence(config.loss_chunk_tokens, config.tile_tokens, free_memory(self.device))
         plans = plan_units(model, config.unit_classes, in_root=self.family.read_outside_forward())
         if not plans:
             raise ValueError(f"{type(model).__name__} has no parameters to train.")

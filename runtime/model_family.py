@@ -102,6 +102,14 @@ class ModelFamily:
         """Refuse, by name and before anything is read or written, what the engine cannot page or
         initialize in this model."""
 
+    def split_sequence(self, loss_chunk: int | str | None, tile: int | str | None, free_memory: int) -> None:
+        """Compute the loss over chunks of `loss_chunk` tokens and the MLPs over tiles of `tile`
+        (`Config.loss_chunk_tokens`, `Config.tile_tokens`; "auto": chosen from the model's shape and
+        `free_memory`). Only a family that knows the model's head and MLPs can."""
+        if loss_chunk is not None or tile is not None:
+            raise ValueError(f"{type(self.model).__name__}: loss_chunk_tokens and tile_tokens compute a Hugging Face "
+                             "causal LM's loss and MLPs in pieces of the sequence; leave them None for this model.")
+
     # -- initialization ---------------------------------------------------------------------------
 
     def init_for(self, name: str) -> Callable[[nn.Module], None] | None:

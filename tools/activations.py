@@ -24,12 +24,12 @@ from typing import Any
 
 import psutil
 
+from outcore.hf.chunked_head import chosen_chunk
 from outcore.runtime.policy import DTYPES
 
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
 HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
 MLP_VALUES = 8  # of BLOCK_VALUES: the MLP's wide hidden layer and its activation (2 x 4 of the width)
-CHUNK_BYTES = 256 << 20  # a loss chunk's fp32 logits, loss and gradient at most
 TILE_SHARE = 1 / 16  # of the run's memory: one block's wide MLP values beyond it are tiled
 INPUTS_SHARE = 1 / 8  # of --max-memory: block inputs beyond it page to NVMe under `auto`
 PAGED_IN_MEMORY = 3  # block inputs a paged step holds at once: the one recomputed and two read ahead
@@ -75,10 +75,8 @@ def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpoin
 
 
 def auto_loss_chunk(shape: Shape) -> int:
-    """The loss's chunk where not given: the most tokens (a power of two, 256 to 8,192) whose fp32
-    logits, their loss and its gradient take at most `CHUNK_BYTES`."""
-    fits = CHUNK_BYTES // (HEAD_VALUES * shape.vocab * 4)
-    return min(8192, max(256, 1 << max(0, fits.bit_length() - 1)))
+    """The loss's chunk where not given, as hf/chunked_head.py chooses it from the vocabulary."""
+    return chosen_chunk(shape.vocab)
 
 
 def chosen_by_train(shape: Shape, max_memory: int | None) -> dict[str, Any]:
