@@ -95,6 +95,9 @@ def test_the_sft_trainer_with_lora_equals_plain_sft_and_its_adapters_load_in_pef
                                            outcore_config=nvme_config(str(tmp_path / "nvme")))
     ours.train()
     assert_close_rel(logged(ours, "loss"), logged(plain, "loss"))
+    # TRL's own tiled head computes them, never the whole logits (issue 71): the same under the engine
+    for metric in ("mean_token_accuracy", "entropy"):
+        assert_close_rel(logged(ours, metric), logged(plain, metric), rel=1e-4)
     ours.save_model(str(tmp_path / "adapters"))
     saved = sorted(os.listdir(tmp_path / "adapters"))
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(saved)
