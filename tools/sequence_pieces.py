@@ -1,4 +1,4 @@
-"""How `outcore train --model` splits a long sequence: the loss over chunks of tokens
+"""How `outcore train` holds a long sequence: the loss over chunks of tokens
 (hf/chunked_head.py) and each decoder MLP over tiles (hf/tiled_mlp.py).
 
 With `--model`, both are chosen unless given: the loss's chunk from the vocabulary (its fp32 logits
@@ -11,15 +11,20 @@ known forms, a mixture of experts) is said once and left off; a given one is ref
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from outcore.hf.chunked_head import install_chunked_loss
 from outcore.hf.model_info import wrapped_model
 from outcore.hf.tiled_mlp import install_tiled_mlp
-from outcore.tools.activations import Shape, auto_loss_chunk, auto_tile, available_memory
+from outcore.tools.activations import Shape, auto_loss_chunk, auto_tile, available_memory, pages_inputs
+from outcore.tools.train_job import Job
+from outcore.tools.train_options import TrainOptions
 
 log = logging.getLogger("outcore.train")
 
@@ -59,6 +64,25 @@ def chosen_pieces(*, hf: bool, shape: Shape | None, loss_chunk_tokens: int | Non
             tile = auto_tile(shape, seq=tokens, dtype=dtype, memory=available_memory(max_memory))
             chosen.add("tile")
     return Pieces(chunk, tile, frozenset(chosen))
+
+
+def sequence_plan(opts: TrainOptions, job: Job, checkpointing: bool, report: Callable[[str], None]
+                  ) -> tuple[TrainOptions, Pieces, dict[str, Any]]:
+    """What a step of `job` holds, said where chosen: the options (`--offload-activations` auto
+    turned nvme where the block inputs would take more than an eighth of --max-memory), the pieces,
+    and `activation_rows`' keywords for them."""
+    if (opts.offload_activations is None and checkpointing and job.shape is not None
+            and pages_inputs(job.shape, batch=opts.batch, seq=job.seq, dtype=opts.dtype or "bf16",
+                             max_memory=opts.max_memory)):
+        opts = dataclasses.replace(opts, offload_activations="nvme")
+        report("outcore train: activations: the block inputs kept for backward page to NVMe (more than an eighth "
+               "of --max-memory; --offload-activations to choose)")
+    pieces = chosen_pieces(hf=bool(opts.model), shape=job.shape, loss_chunk_tokens=opts.loss_chunk_tokens,
+                           tile_tokens=opts.tile_tokens, tokens=job.seq, dtype=opts.dtype or "bf16",
+                           max_memory=opts.max_memory)
+    if pieces.chosen:
+        report(f"outcore train: sequence: {pieces.in_words()}")
+    return opts, pieces, {**pieces.as_rows(), "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
 
 
 def install_pieces(model: nn.Module, pieces: Pieces) -> Pieces:

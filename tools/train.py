@@ -10,14 +10,12 @@ the working directory that is removed afterwards. Each choice is printed once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
 import shlex
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -28,7 +26,7 @@ from outcore.offload import StorageError
 from outcore.offload.scratch_dir import DirectoryLock
 from outcore.runtime.checkpoint.folder import find_checkpoint
 from outcore.runtime.collectives import all_reduce_sum
-from outcore.tools.activations import activation_rows, pages_inputs, preflight
+from outcore.tools.activations import activation_rows, preflight
 from outcore.tools.arg_types import MOST_STEPS
 from outcore.tools.interrupts import requested_stop, step_boundaries
 from outcore.tools.lr_schedules import DEFAULT as DEFAULT_SCHEDULE
@@ -39,7 +37,7 @@ from outcore.tools.report import peak_rss
 from outcore.tools.run_log import RunLog
 from outcore.tools.run_outputs import check_outputs
 from outcore.tools.run_record import record
-from outcore.tools.sequence_pieces import WHOLE, Pieces, chosen_pieces, install_pieces
+from outcore.tools.sequence_pieces import WHOLE, Pieces, install_pieces, sequence_plan
 from outcore.tools.train_config import build_config
 from outcore.tools.train_flags import check_flags
 from outcore.tools.train_job import Data, DataOptions, Job, hf_job, job_loss, preset_job
@@ -191,20 +189,7 @@ def _train(opts: TrainOptions, report) -> dict:
     job = make_job(opts)
     checkpointing = (opts.checkpoint_activations if opts.checkpoint_activations is not None
                      else job.checkpoint_activations)
-    if (opts.offload_activations is None and checkpointing and job.shape is not None
-            and pages_inputs(job.shape, batch=opts.batch, seq=job.seq, dtype=opts.dtype or "bf16",
-                             max_memory=opts.max_memory)):
-        opts = dataclasses.replace(opts, offload_activations="nvme")
-        report("outcore train: activations: the block inputs kept for backward page to NVMe (more than an eighth "
-               "of --max-memory; --offload-activations to choose)")
-
-    # what the step holds: the loss's chunks, the MLPs' tiles, and the block inputs paged where asked
-    pieces = chosen_pieces(hf=bool(opts.model), shape=job.shape, loss_chunk_tokens=opts.loss_chunk_tokens,
-                           tile_tokens=opts.tile_tokens, tokens=job.seq, dtype=opts.dtype or "bf16",
-                           max_memory=opts.max_memory)
-    how: dict[str, Any] = {**pieces.as_rows(), "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
-    if pieces.chosen:
-        report(f"outcore train: sequence: {pieces.in_words()}")
+    opts, pieces, how = sequence_plan(opts, job, checkpointing, report)  # what the step holds, and where
 
     def activations(dtype: str) -> int:
         return 0 if job.shape is None else sum(activation_rows(job.shape, batch=opts.batch, seq=job.seq, dtype=dtype,
