@@ -21,14 +21,19 @@ from outcore.runtime.tiled import tiled
 
 TILED = "outcore_tiled"  # marks an MLP whose forward was replaced here
 TILE_SHARE = 1 / 16  # of the free memory: one layer's wide MLP values in a tile at most (`chosen_tile`)
-MLP_VALUES = 8  # values of the width a position's MLP keeps (its wide layer and activation, 2 x 4)
+MLP_VALUES = 8  # values of the width a position's MLP keeps (its wide layer and activation, 2 x 4;
+# tools/activations.py counts them among a block's 17)
+
+
+def tile_room(width: int, memory: int, elem: int = 2) -> int:
+    """Tokens whose wide MLP values (of a layer `width` wide, `elem` bytes a value) take at most
+    `TILE_SHARE` of `memory`."""
+    return int(memory * TILE_SHARE) // (MLP_VALUES * width * elem)
 
 
 def chosen_tile(width: int, free_memory: int, elem: int = 2) -> int:
-    """A tile where none is given: the most tokens (a power of two) whose wide MLP values take at
-    most `TILE_SHARE` of `free_memory`."""
-    fits = int(free_memory * TILE_SHARE) // (MLP_VALUES * width * elem)
-    return 1 << max(0, fits.bit_length() - 1)
+    """A tile where none is given: the most tokens, a power of two, within `tile_room`."""
+    return 1 << max(0, tile_room(width, free_memory, elem).bit_length() - 1)
 
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:

@@ -25,12 +25,11 @@ from typing import Any
 import psutil
 
 from outcore.hf.chunked_head import chosen_chunk
+from outcore.hf.tiled_mlp import MLP_VALUES, chosen_tile, tile_room
 from outcore.runtime.policy import DTYPES
 
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
 HEAD_VALUES = 3  # values of the vocabulary the head and the loss keep per token, in fp32
-MLP_VALUES = 8  # of BLOCK_VALUES: the MLP's wide hidden layer and its activation (2 x 4 of the width)
-TILE_SHARE = 1 / 16  # of the run's memory: one block's wide MLP values beyond it are tiled
 INPUTS_SHARE = 1 / 8  # of --max-memory: block inputs beyond it page to NVMe under `auto`
 PAGED_IN_MEMORY = 3  # block inputs a paged step holds at once: the one recomputed and two read ahead
 
@@ -88,13 +87,11 @@ def chosen_by_train(shape: Shape, max_memory: int | None) -> dict[str, Any]:
 
 def auto_tile(shape: Shape, *, seq: int, dtype: str, memory: int) -> int | None:
     """The MLP's tile where not given: None (untiled) where one block's wide MLP values for `seq`
-    tokens take at most `TILE_SHARE` of `memory` (so a short context pays nothing for tiling), else
-    the most tokens (a power of two) whose values do."""
-    per_token = MLP_VALUES * shape.d_model * DTYPES[dtype][1]
-    fits = int(memory * TILE_SHARE) // per_token
-    if seq <= fits:
+    tokens fit in hf/tiled_mlp.py's share of `memory` (so a short context pays nothing for tiling),
+    else the tile it chooses."""
+    if seq <= tile_room(shape.d_model, memory, DTYPES[dtype][1]):
         return None
-    return 1 << max(0, fits.bit_length() - 1)
+    return chosen_tile(shape.d_model, memory, DTYPES[dtype][1])
 
 
 def pages_inputs(shape: Shape, *, batch: int, seq: int, dtype: str, max_memory: int | None) -> bool:

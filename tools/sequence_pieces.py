@@ -1,11 +1,12 @@
 """How `outcore train` holds a long sequence: the loss over chunks of tokens
-(hf/chunked_head.py) and each decoder MLP over tiles (hf/tiled_mlp.py).
+(hf/chunked_head.py), each decoder MLP over tiles (hf/tiled_mlp.py), and under --max-memory the
+block inputs paged to NVMe where they would take more than an eighth of it.
 
 With `--model`, both are chosen unless given: the loss's chunk from the vocabulary (its fp32 logits
 at most 256 MiB), and tiles only where one block's wide MLP values for the sequence would pass a
 sixteenth of the run's memory (--max-memory, or what is available), so that a short context runs
 its MLPs whole (tools/activations.py `auto_loss_chunk`, `auto_tile`). `--loss-chunk-tokens 0` and
-`--tile-tokens 0` turn them off. A chosen piece that the model does not take (a head outside the
+`--tile-tokens 0` turn them off; `--offload-activations` sets where the inputs go. A chosen piece that the model does not take (a head outside the
 known forms, a mixture of experts) is said once and left off; a given one is refused.
 """
 
