@@ -29,6 +29,7 @@ from outcore.runtime.saved_activations import SavedActivations
 
 log = logging.getLogger("outcore.runtime.activations")
 
+COUNTS = ("bytes_paged", "bytes_from_nvme", "bytes_kept")  # what `engine.stats()["activations"]` says of a step
 ACTIVATION_HOST = 1 << 30  # the most a derived host budget adds for paged activations
 
 
@@ -47,9 +48,10 @@ class ActivationPaging:
         self.mode, self.store, self.device, self.is_parameter = config.offload_activations, store, device, is_parameter
         self.pages_states = ({config.offload_params, config.offload_optimizer} != {"none"}
                              or config.host_budget is not None)
-        self._since_step: list[SavedActivations] = []
+        self._open: list[SavedActivations] = []  # this step's passes whose keys autograd may still want
+        self._counted = dict.fromkeys(COUNTS, 0)  # this step's passes done with
         self._said_compiled = False
-        self.last_step = {"bytes_paged": 0, "bytes_from_nvme": 0, "bytes_kept": 0}
+        self.last_step = dict.fromkeys(COUNTS, 0)
 
     def for_batch(self) -> SavedActivations:
         """What one train_batch saves (see the module docstring)."""
@@ -79,15 +81,25 @@ class ActivationPaging:
     def _saved(self, tier: Tier | None, *, in_place: int) -> SavedActivations:
         saved = SavedActivations(self.store, tier, self.is_parameter, host_budget=self.store.stats()["host"]["budget"],
                                  in_place=in_place)
-        self._since_step.append(saved)
+        self._fold(done_only=True)  # (forwards without a step between them hold no more than their keys)
+        self._open.append(saved)
         return saved
+
+    def _fold(self, *, done_only: bool) -> None:
+        """Add the passes' counts to this step's; keep those with live keys where `done_only`."""
+        still = []
+        for saved in self._open:
+            if done_only and saved.live:
+                still.append(saved)
+                continue
+            for name, value in zip(COUNTS, (saved.bytes_put, saved.bytes_from_nvme, saved.bytes_kept), strict=True):
+                self._counted[name] += value
+        self._open = still
 
     def step_done(self) -> None:
         """The optimizer step ended: its passes' counts become the step's figures."""
-        passes, self._since_step = self._since_step, []
-        self.last_step = {"bytes_paged": sum(s.bytes_put for s in passes),
-                          "bytes_from_nvme": sum(s.bytes_from_nvme for s in passes),
-                          "bytes_kept": sum(s.bytes_kept for s in passes)}
+        self._fold(done_only=False)
+        self.last_step, self._counted = self._counted, dict.fromkeys(COUNTS, 0)
 
 
 def host_share(mode: str, available: int) -> int:

@@ -6,8 +6,9 @@ With `--model`, both are chosen unless given: the loss's chunk from the vocabula
 at most 256 MiB), and tiles only where one block's wide MLP values for the sequence would pass a
 sixteenth of the run's memory (--max-memory, or what is available), so that a short context runs
 its MLPs whole (tools/activations.py `auto_loss_chunk`, `auto_tile`). `--loss-chunk-tokens 0` and
-`--tile-tokens 0` turn them off; `--offload-activations` sets where the inputs go. A chosen piece that the model does not take (a head outside the
-known forms, a mixture of experts) is said once and left off; a given one is refused.
+`--tile-tokens 0` turn them off; `--offload-activations` sets where the inputs go. A chosen piece
+that the model does not take (a head outside the known forms, a mixture of experts) is said once and
+left off; a given one is refused.
 """
 
 from __future__ import annotations
