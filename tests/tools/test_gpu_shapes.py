@@ -17,7 +17,10 @@ def test_a_row_trains_at_the_estimates_accumulation_beside_its_prediction(tmp_pa
     r = gpu_shapes.run_row(row, device="cpu", nvme_dir=str(tmp_path), rates=RATES, batch=1, seq=16, steps=1,
                            overrides=TINY)
     predicted = r["predicted"]
-    assert r["accumulate"] == predicted["accumulate"] > 1 and predicted["bound"] == "compute"
+    if gpu_shapes.SHAPES[row].long_context:  # one sample a step, its loss over chunks, its MLPs tiled
+        assert r["accumulate"] == predicted["accumulate"] == 1 and r["offload_activations"] == "cpu"
+    else:
+        assert r["accumulate"] == predicted["accumulate"] > 1 and predicted["bound"] == "compute"
     assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(16 * r["accumulate"] / r["step_s"])
     assert r["peak_host_rss_bytes"] > 100 << 20 and 0 < r["MFU"]
     if gpu_shapes.SHAPES[row].lora is None:

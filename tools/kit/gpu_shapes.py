@@ -10,7 +10,11 @@ trained a few steps, in a process of its own so that its peak host RSS is its ow
   on the CPU, under a 16 GiB device budget (a consumer card's), activation checkpointing;
 - `llama-70b-qlora`: QLoRA, LoRA r=16 on a Llama-70B-shaped base stored NF4 in the tiers (quantized
   on the GPU as it streams in), in host memory where half of what is available holds it, else on
-  NVMe, under a 22 GiB device budget (a 24 GB card's), bf16 compute.
+  NVMe, under a 22 GiB device budget (a 24 GB card's), bf16 compute;
+- `llama-8b-lora-128k` and `llama-70b-qlora-32k`: long context, one sample of 131,072 and 32,768
+  tokens a step under 24 and 22 GiB device budgets, the loss over chunks and the MLPs over tiles
+  chosen by the engine (`Config.loss_chunk_tokens`/`tile_tokens="auto"`), the block inputs paged
+  to host memory (`offload_activations="cpu"`).
 Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
 prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
 
@@ -44,6 +48,10 @@ class ModelShape:
     offload_params: str  # "auto": host memory where half of the available holds the stored parameters, else NVMe
     device_budget: int | None
     quantize: str | None = None  # Config.quantize of the frozen base
+    seq: int | None = None  # the row's context; None: the kit's
+    # a long-context row: one sample a step, the loss over chunks and MLP tiles chosen ("auto"), and
+    # the block inputs kept for backward paged to host memory (issue 71)
+    long_context: bool = False
 
 
 SHAPES = {
@@ -56,6 +64,15 @@ SHAPES = {
     "llama-70b-qlora": ModelShape("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                            num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
                              lora=16, offload_params="auto", device_budget=22 << 30, quantize="nf4"),
+    "llama-8b-lora-128k": ModelShape("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                              num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                                lora=16, offload_params="cpu", device_budget=24 << 30, seq=131_072,
+                                long_context=True),
+    "llama-70b-qlora-32k": ModelShape("llama", dict(hidden_size=8192, intermediate_size=28672,
+                                               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                               vocab_size=128256),
+                                 lora=16, offload_params="auto", device_budget=22 << 30, quantize="nf4",
+                                 seq=32_768, long_context=True),
 }
 
 
@@ -68,7 +85,8 @@ def build(shape: ModelShape, overrides: dict[str, int] | None = None) -> tuple[t
     from outcore.runtime.materialize import deferred_init
 
     kind = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[shape.architecture]
-    config = kind(**{**shape.config, **(overrides or {})}, max_position_embeddings=8192, tie_word_embeddings=False)
+    config = kind(**{**shape.config, **(overrides or {})}, max_position_embeddings=max(8192, shape.seq or 0),
+                  tie_word_embeddings=False)
     with deferred_init():
         model = transformers.AutoModelForCausalLM.from_config(config)
     enable = hf_checkpointing(model)
@@ -95,7 +113,10 @@ def config_of(shape: ModelShape, nvme_dir: str, accumulate: int, params: int = 0
     return runtime.Config(stage=3, offload_params=offload, offload_optimizer="cpu", nvme_dir=nvme_dir,
                           dtype="bf16", state_dtype="bf16", grad_clip=1.0, grad_accumulation=accumulate,
                           device_budget=shape.device_budget, quantize=shape.quantize,
-                          quantize_double=shape.quantize is not None)
+                          quantize_double=shape.quantize is not None,
+                          loss_chunk_tokens="auto" if shape.long_context else None,
+                          tile_tokens="auto" if shape.long_context else None,
+                          offload_activations="cpu" if shape.long_context else "auto")
 
 
 def predict(model: torch.nn.Module, shape: ModelShape, rates: Any, *, tokens: int, device_type: str,
@@ -131,6 +152,8 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
     from outcore.tools.report import peak_rss
 
     shape = SHAPES[name]
+    if shape.long_context:  # one sample of the row's context a step (a test gives a shorter `seq`)
+        accumulate = 1
     model, init = build(shape, overrides)
     vocab = int((overrides or {}).get("vocab_size", shape.config["vocab_size"]))
     machine = se.Rates(**rates)
@@ -170,6 +193,8 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
             "bytes_read_per_step": (last["bytes_read"] - first["bytes_read"]) / steps,
             "bytes_written_per_step": (last["bytes_written"] - first["bytes_written"]) / steps,
             "offload_params": config.offload_params, "quantize": config.quantize,
+            "offload_activations": config.offload_activations,
+            "activation_bytes_paged_per_step": last["activations"]["bytes_paged"],
             "predicted": predicted.as_dict(machine.peak_flops), "rates": dataclasses.asdict(machine)}
 
 
