@@ -243,7 +243,8 @@ def shape_row(row: str, nvme_dir: str, *, peak: float, disk: dict, overlap: dict
     from outcore.tools import machine_rates
 
     width = SHAPES[row].config["hidden_size"]
-    seq = SHAPES[row].seq or seq  # a long-context row's own
+    seq = SHAPES[row].seq or seq  # a long-context row's own, and a step of minutes
+    timeout = max(timeout, 1800) if SHAPES[row].long_context else timeout
     rates = {"disk_read": disk["read_GBps"] * 1e9, "disk_write": disk["write_GBps"] * 1e9,
              "flops": machine_rates.measure_flops("cuda", "bf16", tokens=batch * seq, d_model=width),
              "adam": machine_rates.measure_adam(),
