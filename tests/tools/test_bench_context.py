@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("peft")
 
-from outcore.tools.kit.bench_context import SHAPE, model_dir, one_run, summarize  # noqa: E402
+from outcore.tools.kit.bench_context import SHAPE, estimated_longest, model_dir, one_run, summarize  # noqa: E402
 
 SMALL = {**SHAPE, "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -22,3 +22,4 @@ def test_both_peers_train_and_one_past_the_bound_is_stopped(tmp_path):
     summary = summarize([*rows, stopped], ["plain", "outcore"], [64])
     assert summary["longest"] == {"plain": 64, "outcore": 64}
     assert [r["trained"] for r in summary["rows"]] == ["1/2", "1/1"]
+    assert estimated_longest(model, root, 4 << 30) > 64  # what the estimate says, beside what was measured

@@ -12,7 +12,8 @@ and torch's AdamW; "outcore" is `outcore train --model` with `--max-memory`. The
 process's resident memory and stops one that passes `--max-memory` (the plain peer has no such
 bound of its own): its row says "over". The table gives, per kind and length, the medians over the
 rounds of the peak RSS and of the seconds of the steps after the first (of the only step where
-`--steps 1`; outcore's from its log.jsonl), and each kind's longest context that trained.
+`--steps 1`; outcore's from its log.jsonl), each kind's longest context that trained, and what
+`outcore estimate --max-seq` says of outcore's under the same bound.
 """
 
 from __future__ import annotations
@@ -199,9 +200,25 @@ def main(argv: list[str] | None = None) -> int:
             "-" if r["seconds"] is None else f"{r['seconds']:.2f}", r["trained"]] for r in summary["rows"]])
     for kind, seq_ in summary["longest"].items():
         print(f"{kind}: longest context trained under {args.max_memory}: {seq_ or 'none'}")
+    estimated = estimated_longest(model, args.dir, bound) if "outcore" in kinds else None
+    if estimated is not None:
+        print(f"outcore estimate --max-seq under {args.max_memory}: {estimated:,}")
     if args.json_path:
-        write_json(args.json_path, {**summary, "runs": rows, "max_memory": bound, "extra": extra})
+        write_json(args.json_path, {**summary, "runs": rows, "max_memory": bound, "extra": extra,
+                                    "estimated_longest": estimated})
     return 0
+
+
+def estimated_longest(model: str, root: str, bound: int | None) -> int | None:
+    """What `outcore estimate --max-seq` says of the same run (LoRA r=16, bf16, one row), to set
+    beside the longest context measured; None where it could not say."""
+    report = os.path.join(root, "estimate.json")
+    cmd = [sys.executable, "-m", "outcore.tools.cli", "estimate", "--model", model, "--lora", "16", "--max-seq",
+           "--dtype", "bf16", "--nvme-dir", root, "--json", report, *(["--max-memory", str(bound)] if bound else [])]
+    if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
+        return None
+    with open(report) as f:
+        return json.load(f).get("max_seq")
 
 
 def summarize(rows: list[dict], kinds: list[str], seqs: list[int]) -> dict:
