@@ -48,6 +48,8 @@ class ActivationPaging:
         self.mode, self.store, self.device, self.is_parameter = config.offload_activations, store, device, is_parameter
         self.pages_states = ({config.offload_params, config.offload_optimizer} != {"none"}
                              or config.host_budget is not None)
+        # fixed when the store opened; stats() walks every key, too much for each forward
+        self.host_budget = store.stats()["host"]["budget"]
         self._open: list[SavedActivations] = []  # this step's passes whose keys autograd may still want
         self._counted = dict.fromkeys(COUNTS, 0)  # this step's passes done with
         self._said_compiled = False
@@ -79,8 +81,7 @@ class ActivationPaging:
         return Tier.NVME if self.mode == "nvme" else Tier.HOST
 
     def _saved(self, tier: Tier | None, *, in_place: int) -> SavedActivations:
-        saved = SavedActivations(self.store, tier, self.is_parameter, host_budget=self.store.stats()["host"]["budget"],
-                                 in_place=in_place)
+        saved = SavedActivations(self.store, tier, self.is_parameter, host_budget=self.host_budget, in_place=in_place)
         self._fold(done_only=True)  # (forwards without a step between them hold no more than their keys)
         self._open.append(saved)
         return saved
@@ -89,7 +90,7 @@ class ActivationPaging:
         """Add the passes' counts to this step's; keep those with live keys where `done_only`."""
         still = []
         for saved in self._open:
-            if done_only and saved.live:
+            if done_only and saved.holds_keys:
                 still.append(saved)
                 continue
             for name, value in zip(COUNTS, (saved.bytes_put, saved.bytes_from_nvme, saved.bytes_kept), strict=True):

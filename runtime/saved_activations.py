@@ -60,9 +60,10 @@ class SavedActivations:
         self.bytes_kept = 0  # not paged: no tier, within `in_place`, or too large for the HOST budget
 
     @property
-    def live(self) -> set[str]:
+    def holds_keys(self) -> bool:
+        """Whether any key of this pass is still in the store (autograd may still want it)."""
         with self._lock:
-            return set(self._users)
+            return bool(self._users)
 
     def hooks(self) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
