@@ -78,11 +78,12 @@ def auto_loss_chunk(shape: Shape) -> int:
     return chosen_chunk(shape.vocab)
 
 
-def chosen_by_train(shape: Shape, max_memory: int | None) -> dict[str, Any]:
+def chosen_by_train(shape: Shape, max_memory: int | None, memory: int | None = None) -> dict[str, Any]:
     """`activation_rows`' keywords for a step as `outcore train --model` computes it by default: the
-    loss over chunks, tiles for the memory, the block inputs paged as `auto` pages them."""
-    return {"loss_chunk": auto_loss_chunk(shape), "tile_memory": available_memory(max_memory),
-            "inputs_bound": max_memory}
+    loss over chunks, tiles for `memory` (default: what the run may have), the block inputs paged as
+    `auto` pages them."""
+    return {"loss_chunk": auto_loss_chunk(shape),
+            "tile_memory": available_memory(max_memory) if memory is None else memory, "inputs_bound": max_memory}
 
 
 def auto_tile(shape: Shape, *, seq: int, dtype: str, memory: int) -> int | None:

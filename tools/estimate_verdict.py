@@ -161,7 +161,7 @@ def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, d
         room = total - v.device_budget
     how: dict[str, Any] = {}
     if pieces:  # as `outcore train --model` computes the step (tools/sequence_pieces.py)
-        how = {**chosen_by_train(shape, max_memory), "tile_memory": total}
+        how = chosen_by_train(shape, max_memory, memory=total)
     seq = longest_seq(shape, batch=batch, dtype=dtype, checkpointed=checkpointed, room=room, **how)
     if seq < 1:
         return 0, [f"longest context: none; the budgets leave {human_bytes(max(room, 0))} of {where} for activations"]
