@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
 
 from outcore.runtime.sizes import human_bytes
 from outcore.tools.cli_flags import EXIT_USAGE, build_parser, given_flags
@@ -80,6 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     from outcore.tools.report import write_json
     from outcore.tools.run_record import recorded, resumed
     from outcore.tools.train import train
+    from outcore.tools.train_options import options_from_args
 
     _writable(args.out, "--out", folder=True)
     for name in ("tag", "data_changed_ok"):
@@ -107,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
         _writable(args.nvme_dir, "--nvme-dir", folder=True)
     if args.preset and args.model:
         raise UsageError(f"--preset {args.preset} and --model {args.model} each name the model to train: give one.")
-    opts = train_options(args)
+    opts = options_from_args(args)
     # Under torchrun every rank runs this; rank 0 speaks and writes the summary, as DeepSpeed and
     # the Hugging Face Trainer log on the main process only. An error is said by each rank it hits.
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -138,33 +138,6 @@ def _console(line: str) -> None:
                   flush=True)
         except OSError:
             pass
-
-
-def train_options(args: argparse.Namespace) -> Any:
-    """`outcore train`'s arguments as the TrainOptions `train()` takes."""
-    from outcore.tools.run_record import NOT_RECORDED
-    from outcore.tools.train import TrainOptions
-
-    return TrainOptions(
-        preset=args.preset or "tiny", model=args.model, lora=args.lora, merge_adapters=args.merge_adapters,
-        lora_alpha=args.lora_alpha, lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
-        quantize=args.quantize, quantize_double=args.quantize_double, config=args.config, steps=args.steps,
-        epochs=args.epochs, data=tuple(args.data or ()), chat_template=args.chat_template,
-        train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
-        eval_split=args.eval_split, out=args.out, nvme_dir=args.nvme_dir, offload_params=args.offload_params,
-        offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations, dtype=args.dtype,
-        state_dtype=args.state_dtype, batch=args.batch, seq=args.seq, lr=args.lr, lr_scheduler=args.lr_scheduler,
-        warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio, min_lr_rate=args.min_lr_rate,
-        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        grad_clip=args.grad_clip or None,
-        host_budget=args.host_budget, device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-        save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
-        checkpoint_activations=args.checkpoint_activations, loss_chunk_tokens=args.loss_chunk_tokens,
-        tile_tokens=args.tile_tokens, seed=args.seed,
-        collective_timeout=args.timeout, accumulate=args.accumulate, log_every=args.log_every,
-        report_to=tuple(args.report_to),
-        max_memory=args.max_memory, arguments={k: v for k, v in vars(args).items() if k not in NOT_RECORDED})
 
 
 def _estimate(args: argparse.Namespace) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from outcore.tools.lr_schedules import DEFAULT_MIN_LR_RATE
+from outcore.tools.run_record import NOT_RECORDED
 
 
 @dataclass
@@ -66,3 +68,27 @@ class TrainOptions:
     report_to: tuple[str, ...] = ()  # trackers besides OUT/log.jsonl: tensorboard, wandb
     overrides: dict = field(default_factory=dict)
     arguments: dict | None = None  # the command's arguments, recorded in OUT/run.json as the run starts
+
+
+def options_from_args(args: argparse.Namespace) -> TrainOptions:
+    """`outcore train`'s arguments as the TrainOptions `train()` takes."""
+    return TrainOptions(
+        preset=args.preset or "tiny", model=args.model, lora=args.lora, merge_adapters=args.merge_adapters,
+        lora_alpha=args.lora_alpha, lora_targets=args.lora_targets, lora_init=args.lora_init, dora=args.dora,
+        quantize=args.quantize, quantize_double=args.quantize_double, config=args.config, steps=args.steps,
+        epochs=args.epochs, data=tuple(args.data or ()), chat_template=args.chat_template,
+        train_on_prompt=args.train_on_prompt, packing=not args.no_packing, eval_data=args.eval_data,
+        eval_split=args.eval_split, out=args.out, nvme_dir=args.nvme_dir, offload_params=args.offload_params,
+        offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations, dtype=args.dtype,
+        state_dtype=args.state_dtype, batch=args.batch, seq=args.seq, lr=args.lr, lr_scheduler=args.lr_scheduler,
+        warmup_steps=args.warmup_steps, warmup_ratio=args.warmup_ratio, min_lr_rate=args.min_lr_rate,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        grad_clip=args.grad_clip or None,
+        host_budget=args.host_budget, device_budget=args.device_budget, prefetch_depth=args.prefetch_depth,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        save_final=not args.no_save, resume=args.resume, resume_tag=args.tag,
+        checkpoint_activations=args.checkpoint_activations, loss_chunk_tokens=args.loss_chunk_tokens,
+        tile_tokens=args.tile_tokens, seed=args.seed,
+        collective_timeout=args.timeout, accumulate=args.accumulate, log_every=args.log_every,
+        report_to=tuple(args.report_to),
+        max_memory=args.max_memory, arguments={k: v for k, v in vars(args).items() if k not in NOT_RECORDED})
