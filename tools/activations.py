@@ -13,7 +13,9 @@ The model is a decoder's, by its shape (layers, width, vocabulary) and the compu
   over chunks (hf/chunked_head.py), those of one chunk;
 - with the MLP tiled over the sequence (hf/tiled_mlp.py), the recomputed block's MLP holds a tile's
   wide values (`MLP_VALUES` of the 17), and with the block inputs paged (runtime/saved_activations.py)
-  the memory holds the few being read back, not all of them.
+  the memory holds the few being read back, and the HOST room the engine gives paged activations
+  (`host_share`: the inputs page through it and rest there while it has room; counted whole, as a
+  budget is).
 The figure errs high on purpose: it decides whether a run starts.
 """
 
@@ -26,6 +28,7 @@ import psutil
 
 from outcore.hf.chunked_head import chosen_chunk
 from outcore.hf.tiled_mlp import MLP_VALUES, chosen_tile, tile_room
+from outcore.runtime.activation_paging import host_share
 from outcore.runtime.policy import DTYPES
 
 BLOCK_VALUES = 17  # values of the width a block keeps per token for backward
@@ -43,24 +46,28 @@ class Shape:
 
 def activation_rows(shape: Shape, *, batch: int, seq: int, dtype: str, checkpointed: bool,
                     loss_chunk: int | None = None, tile: int | None = None, inputs_paged: bool = False,
-                    tile_memory: int | None = None, inputs_bound: int | None = None) -> dict[str, int]:
+                    tile_memory: int | None = None, inputs_bound: int | None = None,
+                    paging_room: int = 0) -> dict[str, int]:
     """Bytes by part, per rank, for one micro-batch of `batch` x `seq` tokens; `loss_chunk`,
     `tile`: tokens of the loss's chunks and of the MLP's tiles (None: whole); `inputs_paged`: the
-    checkpointed blocks' inputs page out of memory. As `outcore train` chooses them: `tile_memory`,
-    tiles chosen for that much memory (`auto_tile`); `inputs_bound`, inputs paged as `auto` pages
-    them under that --max-memory (`pages_inputs`)."""
+    checkpointed blocks' inputs page out of memory, through `paging_room` bytes of HOST memory the
+    engine gives them (`paged_inputs_room`). As `outcore train` chooses them: `tile_memory`, tiles
+    chosen for that much memory (`auto_tile`); `inputs_bound`, inputs paged as `auto` pages them
+    under that --max-memory (`pages_inputs`), through the room it gives them."""
     if tile is None and tile_memory is not None:
         tile = auto_tile(shape, seq=seq, dtype=dtype, memory=tile_memory)
-    if inputs_bound is not None and checkpointed:
-        inputs_paged = inputs_paged or pages_inputs(shape, batch=batch, seq=seq, dtype=dtype, max_memory=inputs_bound)
+    if inputs_bound is not None and checkpointed and not inputs_paged:
+        inputs_paged = pages_inputs(shape, batch=batch, seq=seq, dtype=dtype, max_memory=inputs_bound)
+        paging_room = paged_inputs_room("nvme", inputs_bound) if inputs_paged else 0
     tokens, elem = batch * seq, DTYPES[dtype][1]
     mlp_tokens = tokens if tile is None else batch * min(seq, tile)
     block = (tokens * (BLOCK_VALUES - MLP_VALUES) + mlp_tokens * MLP_VALUES) * shape.d_model * elem
     if not checkpointed:
         rows = {"every block's activations": block * shape.layers}
     elif inputs_paged:
-        rows = {"block inputs paged (those read back at once)": tokens * min(shape.layers, PAGED_IN_MEMORY)
-                * shape.d_model * elem}
+        one_block = tokens * shape.d_model * elem
+        rows = {"block inputs paged (those read back at once, and the HOST room they page through)":
+                one_block * min(shape.layers, PAGED_IN_MEMORY) + paging_room}
     else:
         rows = {"block inputs kept for backward": tokens * shape.layers * shape.d_model * elem}
     if checkpointed:
@@ -102,6 +109,14 @@ def pages_inputs(shape: Shape, *, batch: int, seq: int, dtype: str, max_memory: 
     if max_memory is None:
         return False
     return batch * seq * shape.layers * shape.d_model * DTYPES[dtype][1] > max_memory * INPUTS_SHARE
+
+
+def paged_inputs_room(mode: str | None, max_memory: int | None) -> int:
+    """HOST bytes the engine gives activations that page (`mode` "cpu" or "nvme"; else 0), as
+    runtime/activation_paging.py sizes them: from --max-memory where given, else from the memory
+    available. `outcore train` gives the engine this room itself under --max-memory, so that it is
+    counted there."""
+    return host_share(mode or "none", available_memory(max_memory))
 
 
 def longest_seq(shape: Shape, *, batch: int, dtype: str, checkpointed: bool, room: int, **how: Any) -> int:

@@ -6,6 +6,7 @@ usage error."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import psutil
@@ -211,6 +212,10 @@ def max_seq_lines(args: argparse.Namespace, model: SizedModel, recommended: Verd
         raise ValueError(f"--max-seq: the activations of {args.model!r} cannot be sized from here; give a preset, "
                          "--params or a model directory.")
     layers, d_model, vocab, _ = model.dims
+    if model.hf:  # this process, which the room is counted beside, as `train --model`'s holds it
+        with contextlib.suppress(ImportError):
+            import datasets  # noqa: F401
+            import peft  # noqa: F401
     return longest_context(recommended, machine, Shape(layers, d_model, vocab), batch=args.batch or 1,
                            dtype=args.dtype, checkpointed=args.checkpoint_activations or model.hf or layers >= 24,
                            device=args.device, max_memory=args.max_memory, pieces=model.hf)

@@ -20,7 +20,7 @@ import psutil
 from outcore.runtime.sizes import human_bytes
 from outcore.tools.activations import Shape, activation_rows, available_memory, chosen_by_train, longest_seq
 from outcore.tools.estimate import estimate
-from outcore.tools.memory_bound import MemoryBound, choose_offload
+from outcore.tools.memory_bound import SLACK, MemoryBound, choose_offload
 
 GPU_SHARE = 0.9  # of a GPU's memory the device budget may take (the CUDA context and allocator keep the rest)
 
@@ -155,7 +155,9 @@ def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, d
     if device == "cpu":
         total, where = (max_memory, f"--max-memory {human_bytes(max_memory)}") if max_memory is not None else (
             machine.ram_available, f"the {human_bytes(machine.ram_available)} of RAM available")
-        room = total - v.device_budget - v.host_budget - psutil.Process().memory_info().rss  # as train counts it
+        slack = int(max_memory * SLACK) if max_memory is not None else 0
+        # as train counts it (tools/memory_bound.py)
+        room = total - slack - v.device_budget - v.host_budget - psutil.Process().memory_info().rss
     else:
         total, where = int(GPU_SHARE * machine.gpu_bytes), f"{machine.gpu or 'the GPU'}'s memory"
         room = total - v.device_budget

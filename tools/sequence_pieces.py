@@ -24,7 +24,14 @@ from torch import nn
 from outcore.hf.chunked_head import install_chunked_loss
 from outcore.hf.model_info import wrapped_model
 from outcore.hf.tiled_mlp import install_tiled_mlp
-from outcore.tools.activations import Shape, auto_loss_chunk, auto_tile, available_memory, pages_inputs
+from outcore.tools.activations import (
+    Shape,
+    auto_loss_chunk,
+    auto_tile,
+    available_memory,
+    paged_inputs_room,
+    pages_inputs,
+)
 from outcore.tools.train_job import Job
 from outcore.tools.train_options import TrainOptions
 
@@ -72,7 +79,8 @@ def sequence_plan(opts: TrainOptions, job: Job, checkpointing: bool, report: Cal
                   ) -> tuple[TrainOptions, Pieces, dict[str, Any]]:
     """What a step of `job` holds, said where chosen: the options (`--offload-activations` auto
     turned nvme where the block inputs would take more than an eighth of --max-memory), the pieces,
-    and `activation_rows`' keywords for them."""
+    and `activation_rows`' keywords for them (the HOST room paged inputs go through counted with
+    them, where the host budget is derived)."""
     if (opts.offload_activations is None and checkpointing and job.shape is not None
             and pages_inputs(job.shape, batch=opts.batch, seq=job.seq, dtype=opts.dtype or "bf16",
                              max_memory=opts.max_memory)):
@@ -84,7 +92,9 @@ def sequence_plan(opts: TrainOptions, job: Job, checkpointing: bool, report: Cal
                            max_memory=opts.max_memory)
     if pieces.chosen:
         report(f"outcore train: sequence: {pieces.in_words()}")
-    return opts, pieces, {**pieces.as_rows(), "inputs_paged": opts.offload_activations in ("cpu", "nvme")}
+    paged = opts.offload_activations in ("cpu", "nvme")
+    room = paged_inputs_room(opts.offload_activations, opts.max_memory) if paged and opts.host_budget is None else 0
+    return opts, pieces, {**pieces.as_rows(), "inputs_paged": paged, "paging_room": room}
 
 
 def install_pieces(model: nn.Module, pieces: Pieces) -> Pieces:

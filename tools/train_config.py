@@ -13,6 +13,7 @@ import torch
 
 from outcore import runtime
 from outcore.offload.owned_dir import OwnedDir
+from outcore.tools.activations import paged_inputs_room
 from outcore.tools.estimate import estimate, quantized_stored
 from outcore.tools.memory_bound import MemoryBound, choose_offload
 from outcore.tools.train_options import TrainOptions
@@ -80,6 +81,12 @@ def build_config(opts: TrainOptions, units: list[int], device: torch.device, act
         if lowered is not None:
             config = replace(config, host_budget=host_budget)
             notes.append(lowered)
+        room = paged_inputs_room(config.offload_activations, opts.max_memory)
+        if opts.max_memory is not None and opts.host_budget is None and room:
+            # The engine would size this room from the machine's free memory: sized from the bound
+            # here, and counted with the activations (tools/sequence_pieces.py). Optimizer states
+            # the host budget keeps may take some of it; the inputs then page on to NVMe sooner.
+            config = replace(config, host_budget=host_budget + room)
         if config.dtype == "fp16" and device.type == "cpu":
             notes.append("dtype fp16 on a CPU: it has no fp16 arithmetic, so each operation is emulated (slower than "
                          "fp32) under loss scaling; --dtype bf16 or fp32 is what a CPU computes in")

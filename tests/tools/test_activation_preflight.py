@@ -47,7 +47,8 @@ def test_the_rows_follow_the_loss_chunks_the_tiles_and_paged_inputs():
     pieces = activation_rows(shape, batch=1, seq=32_768, dtype="bf16", checkpointed=True, **how)
     assert whole["logits, their fp32 loss and its gradient"] == 32_768 * 3 * 128_256 * 4
     assert pieces["logits of one loss chunk of 1,024 tokens, fp32, and their gradient"] == 1024 * 3 * 128_256 * 4
-    assert pieces["block inputs paged (those read back at once)"] == 3 * 32_768 * 1024 * 2
+    paged = "block inputs paged (those read back at once, and the HOST room they page through)"
+    assert pieces[paged] == 3 * 32_768 * 1024 * 2  # no room given
     assert pieces["one block recomputed in backward, its MLP over tiles of 4,096"] == \
         (32_768 * 9 + 4096 * 8) * 1024 * 2
     room = 4 << 30
@@ -55,6 +56,21 @@ def test_the_rows_follow_the_loss_chunks_the_tiles_and_paged_inputs():
     assert sum(activation_rows(shape, batch=1, seq=longest, dtype="bf16", checkpointed=True, **how).values()) <= room
     assert sum(activation_rows(shape, batch=1, seq=longest + 1, dtype="bf16", checkpointed=True, **how).values()) > room
     assert longest > 16 * longest_seq(shape, batch=1, dtype="bf16", checkpointed=True, room=room)
+
+
+def test_paged_inputs_count_the_host_room_they_page_through():
+    """The engine gives paged activations an eighth of the bound (at most 1 GiB) of HOST memory, and
+    the inputs rest there while it has room: the rows count it whole, as a budget."""
+    from outcore.tools.activations import paged_inputs_room
+
+    shape = Shape(layers=8, d_model=1024, vocab=128_256)
+    rows = activation_rows(shape, batch=1, seq=65_536, dtype="bf16", checkpointed=True, inputs_bound=6 << 30)
+    one_block = 65_536 * 1024 * 2
+    assert rows["block inputs paged (those read back at once, and the HOST room they page through)"] == \
+        3 * one_block + (768 << 20)
+    assert paged_inputs_room("nvme", 6 << 30) == paged_inputs_room("cpu", 6 << 30) == 768 << 20
+    assert paged_inputs_room("nvme", 64 << 30) == 1 << 30
+    assert paged_inputs_room("auto", 6 << 30) == paged_inputs_room(None, 6 << 30) == 0
 
 
 def test_auto_pages_block_inputs_past_an_eighth_of_the_bound():

@@ -29,3 +29,15 @@ def test_an_unknown_place_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--offload-activations", "disk", "--out", str(tmp_path / "r")])
     assert "--offload-activations: invalid choice: 'disk'" in capsys.readouterr().err
+
+
+def test_under_max_memory_the_host_room_of_paged_activations_is_sized_from_the_bound(tmp_path):
+    """The engine would size it from the machine's free memory; train gives it an eighth of
+    --max-memory, counted with the activations in the arithmetic."""
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq", "32", "--dtype", "fp32", "--no-save",
+                 "--checkpoint-activations", "--offload-activations", "nvme", "--max-memory", "4G",
+                 "--out", str(tmp_path / "r"), "--json", str(tmp_path / "r.json")]) == 0
+    report = json.load(open(tmp_path / "r.json"))
+    room = (4 << 30) // 8
+    assert report["config"]["host_budget"] == report["memory"]["host_budget"] + room
+    assert report["memory"]["activations"] >= room  # counted there
