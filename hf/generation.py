@@ -1,10 +1,10 @@
 """Trainers that generate their own completions (TRL's GRPO and RLOO), generating through the engine.
 
-Between optimizer steps they call `generate` on the policy. Under outcore that is the engine's
-model: its hooks gather each unit for each forward, so every new token runs the whole model and
-reads again whatever of it the device tier does not hold. That is slow beside a model that sits
-whole on one GPU, and it is said once at the start of `train()`; README's GRPO section has the
-figures. What would hold a second copy of the weights outside the tiers is refused:
+Between optimizer steps they call `generate` on the policy: under outcore the engine's model,
+whose decoding passes keep what fits in the budgets gathered for the whole call and read the
+rest again each token (runtime/forward_cycle.py [Note: forward cycles]). The start of `train()`
+says how much that is, once; README's GRPO section has the figures. What would hold a second
+copy of the weights outside the tiers is refused:
 
 - vLLM (`use_vllm=True`) keeps the whole model on the GPU;
 - `sync_ref_model=True` mixes the policy's weights into the reference's in place, and both rest in
@@ -44,8 +44,16 @@ def generation_refusals(args: Any) -> list[str]:
 
 
 def generation_note(engine: Engine) -> str:
+    """The start's line on generating: what of the model each `generate` keeps gathered, and the
+    bytes each new token reads of the rest (runtime/forward_cycle.py [Note: forward cycles])."""
     _, total = parameter_counts(engine)
-    device = engine.stats()["device"]["budget"]
-    return (f"outcore: completions are generated through the engine: each new token runs the whole model "
-            f"({total / 1e6:.1f}M parameters) and reads again what the device tier ({human_bytes(device)}) does not "
-            "hold, so generating is slower than on a model whole on one GPU (README: GRPO)")
+    plan = engine.lifecycle.cycle.preview()
+    stored = sum(u.stored_nbytes for u in engine.units)
+    per_token = engine.lifecycle.cycle.streamed_bytes(plan)
+    if per_token == 0:
+        reads = "all of it stays in the budgets for a whole generate call, and a new token reads nothing"
+    else:
+        reads = (f"{human_bytes(stored - per_token)} of it stays in the budgets for a whole generate call, and "
+                 f"each new token reads the other {human_bytes(per_token)} again (larger budgets keep more)")
+    return (f"outcore: completions are generated through the engine ({total / 1e6:.1f}M parameters, "
+            f"{human_bytes(stored)} stored): {reads}; a batch's sequences share each read (README: GRPO)")

@@ -308,6 +308,11 @@ class TieredStore:
         return self.state.engine.counters.bytes_written
 
     @property
+    def zero_copy(self) -> bool:
+        """CPU-only: HOST and DEVICE are the same RAM, and a key changes tier without a copy."""
+        return self.state.zero_copy
+
+    @property
     def directory(self) -> str:
         """The folder of the swap file (nvme_dir, or a scratch folder)."""
         return self.state.swap.directory

@@ -63,14 +63,14 @@ log = logging.getLogger(__name__)
 
 def _engine_call(method: Callable[..., Any]) -> Callable[..., Any]:
     """An engine API call: refused, saying so, after `close()`; else it first ends the micro-step of
-    a plain `loss.backward()` the caller ran before it (`UnitLifecycle.in_backward`)."""
+    a plain `loss.backward()` the caller ran before it (`UnitLifecycle.engine_called`)."""
     @functools.wraps(method)
     def call(self: Engine, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError(f"Engine.{method.__name__}: this engine was closed, and its parameters and "
                                "optimizer states went with its store; build a new Engine (load_checkpoint "
                                "restores a saved run into it).")
-        self.lifecycle.end_plain_backward()
+        self.lifecycle.engine_called(without_grad=method.__name__ == "__call__" and not torch.is_grad_enabled())
         return method(self, *args, **kwargs)
     return call
 
@@ -360,7 +360,7 @@ class Engine:
         self._closed = True
         forget(self._exit_token)
         try:
-            self.lifecycle.end_plain_backward()
+            self.lifecycle.engine_called(without_grad=False)
             self.updates.close()  # an update's error not raised before is raised, after the rest
         finally:
             for h in self._hooks:

@@ -21,7 +21,7 @@ The flat buffer is one autograd leaf for the whole unit: its storage is freed an
 place (`untyped_storage().resize_`), so the views saved by autograd in forward are valid again
 once backward re-gathers the unit.
 
-[Note: unit gradients] The parameters' views come from one autograd function (`_UnitViews`), and
+[Note: unit gradients] The parameters' views come from one autograd function (`UnitViews`), and
 its backward hands the parameters' own gradients to `on_gradient` rather than concatenating them
 into a flat gradient for the leaf. With one rank and nothing to scale, the update then reads
 those tensors in place (`gradient_pieces`): that saves a copy of every gradient into freshly
@@ -46,6 +46,7 @@ from outcore.runtime.policy import StatePolicy, padded_numel
 from outcore.runtime.quantized import QuantizedLayout
 from outcore.runtime.released import ReleasedParameter
 from outcore.runtime.storage_swap import swap_storage_memory
+from outcore.runtime.unit_views import UnitViews, cut
 from outcore.runtime.units import UnitPlan
 
 
@@ -161,6 +162,21 @@ class FlatUnit:
         return self._aliased
 
     @property
+    def decodes_in_store(self) -> bool:
+        """One rank, quantized: decoded into memory the store lends (`_borrow_decoded`)."""
+        return self._decodes_in_store
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the whole unit's parameters, gathered."""
+        return self.layout.padded * self.flat.element_size()
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of this rank's stored shard (a quantized unit's codes and scales)."""
+        return self.quantized.shard if self.quantized is not None else self.layout.shard * self.flat.element_size()
+
+    @property
     def name(self) -> str:
         return (self.plan.name or "<root>") + (" (frozen)" if self.frozen else "")
 
@@ -184,14 +200,15 @@ class FlatUnit:
         self._aliased = True
         self.state = UnitState.UNSHARDED
 
-    def unshard(self) -> None:
-        """Gather every rank's shard into the flat buffer (allowed from SHARDED only)."""
+    def unshard(self, tier: Tier = Tier.DEVICE) -> None:
+        """Gather every rank's shard into the flat buffer (allowed from SHARDED only); a borrowing
+        unit borrows from `tier` (HOST: a CPU's, where both tiers are RAM)."""
         assert self.state is UnitState.SHARDED, f"{self.name}: unshard() of a gathered unit"
         if self.borrowing or self._decodes_in_store:
             if self._decodes_in_store:
-                self._borrow_decoded()
+                self._borrow_decoded(tier)
             else:
-                self._borrow()
+                self._borrow(tier)
             self.state = UnitState.UNSHARDED
             return
         storage = self.flat.untyped_storage()
@@ -205,15 +222,15 @@ class FlatUnit:
             self._gather_into(self.flat)
         self.state = UnitState.UNSHARDED
 
-    def _fetch_shard(self) -> torch.Tensor:
+    def _fetch_shard(self, tier: Tier = Tier.DEVICE) -> torch.Tensor:
         t0 = time.perf_counter()
-        shard = self.store.fetch_now(self.param_key, Tier.DEVICE)
+        shard = self.store.fetch_now(self.param_key, tier)
         self.wait_seconds += time.perf_counter() - t0
         return shard
 
-    def _borrow(self) -> None:
+    def _borrow(self, tier: Tier) -> None:
         """World 1: the flat buffer takes the fetched shard's memory; see [Note: borrowed shards]."""
-        shard = self._fetch_shard()
+        shard = self._fetch_shard(tier)
         storage = shard.untyped_storage()
         assert shard.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
         swap_storage_memory(self.flat.untyped_storage(), storage)
@@ -223,10 +240,10 @@ class FlatUnit:
     def decoded_key(self) -> str:
         return f"u{self.index}.decoded"  # a quantized unit's values while gathered (one rank)
 
-    def _borrow_decoded(self) -> None:
+    def _borrow_decoded(self, tier: Tier) -> None:
         """One rank, a quantized unit: decoded into DEVICE memory the store lends under a key of its
         own (pinned while gathered, forgotten at `reshard()`), borrowed as in [Note: borrowed shards]."""
-        staged = self.store.stage(self.decoded_key, (self.layout.padded,), self.dtype, Tier.DEVICE)
+        staged = self.store.stage(self.decoded_key, (self.layout.padded,), self.dtype, tier)
         try:
             with torch.no_grad():
                 self._gather_into(staged.tensor)
@@ -234,7 +251,7 @@ class FlatUnit:
             staged.abort(e)
             raise
         staged.commit()
-        decoded = self.store.fetch_now(self.decoded_key, Tier.DEVICE)
+        decoded = self.store.fetch_now(self.decoded_key, tier)
         storage = decoded.untyped_storage()
         assert decoded.storage_offset() == 0 and storage.nbytes() >= self.layout.padded * self.flat.element_size()
         swap_storage_memory(self.flat.untyped_storage(), storage)
@@ -286,7 +303,7 @@ class FlatUnit:
         """Point every module attribute of the unit's parameters at new views of the flat buffer
         (one autograd node, whose backward is the unit's gradient callback); returns them."""
         assert self.state is UnitState.UNSHARDED
-        pieces = _UnitViews.apply(self.flat, self)
+        pieces = UnitViews.apply(self.flat, self)
         views = [piece.view(slot.shape) for slot, piece in zip(self.plan.slots, pieces, strict=True)]
         self.point_at(views)
         return views
@@ -325,7 +342,7 @@ class FlatUnit:
         flats = self._flat_gradients(grads)
         if self.group.world == 1 and factor == 1.0 and self.dtype == torch.float32:
             offsets = [*self.layout.offsets, self.layout.numel]
-            return [_cut(flats, offsets, c.start, c.end) for c in self.chunks]
+            return [cut(flats, offsets, c.start, c.end) for c in self.chunks]
         full = torch.cat(flats)
         full = full if full.dtype == torch.float32 else full.float()
         shard = reduce_scatter(full, self.group)
@@ -368,33 +385,3 @@ class FlatUnit:
         self._gather_into(full)
         return full
 
-
-def _cut(flats: list[torch.Tensor], offsets: list[int], start: int, end: int) -> list[torch.Tensor]:
-    """Elements [start, end) of the concatenation of `flats` (which begin at `offsets`), as views."""
-    out = []
-    for flat, off in zip(flats, offsets, strict=True):
-        a, b = max(start, off), min(end, off + flat.numel())
-        if a < b:
-            out.append(flat[a - off : b - off].contiguous())  # a broadcast gradient has stride 0
-    return out
-
-
-class _UnitViews(torch.autograd.Function):
-    """The unit's parameters as views of its flat buffer (one split); backward passes their
-    gradients to the unit's `on_gradient`. Without one it gives the flat buffer the concatenated
-    gradient, as a plain split would."""
-
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor, unit: FlatUnit) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
-        sizes = [slot.numel for slot in unit.plan.slots]
-        return torch.split(flat, [*sizes, unit.layout.padded - unit.layout.numel])[: len(sizes)]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
-        unit = ctx.unit
-        if unit.on_gradient is not None:
-            unit.on_gradient(list(grads))
-            return None, None
-        return torch.cat(unit._flat_gradients(list(grads))), None

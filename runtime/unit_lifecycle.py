@@ -30,6 +30,7 @@ from outcore.runtime.backward_watch import BackwardWatch
 from outcore.runtime.checkpoint.sharded_model import ShardedModel
 from outcore.runtime.collectives import Group, give_up_group
 from outcore.runtime.flat_unit import FlatUnit, UnitState
+from outcore.runtime.forward_cycle import ForwardCycle
 from outcore.runtime.gradient_path import GradientPath, Undone
 from outcore.runtime.hooks import refuse_a_second_backward
 from outcore.runtime.loss_scale import LossScaler
@@ -124,6 +125,8 @@ class UnitLifecycle:
         self.schedule: MicroBatchSchedule = OneMicroBatch()  # a train_batch's while one runs
         self.watch = BackwardWatch()  # whether a plain backward finished or raised
         self.device_ahead = policy.device_window  # units of the prefetch window asked onto DEVICE
+        self.cycle = ForwardCycle(units, store, world=group.world, device_ahead=self.device_ahead,
+                                  prefetch_depth=policy.prefetch_depth, params_on_nvme=place.param_tier == Tier.NVME)
         self.gathered_peak = 0  # most bytes of whole-unit buffers alive at once (outside the store)
 
     # -- a micro-step's passes -------------------------------------------------------------------
@@ -149,7 +152,7 @@ class UnitLifecycle:
         finally:
             self.phase.end()
             if failed or not torch.is_grad_enabled():  # no backward will come to release the units
-                self.reshard_all()
+                self.reshard_all(keep_cycle=not failed)
                 self.trace.discard_step()
             if failed:
                 self.gradients.forward_failed(runs_before)
@@ -173,11 +176,21 @@ class UnitLifecycle:
 
     def unit_forward_start(self, unit: FlatUnit) -> None:
         self.sharded.check_unconverted(self.device, self.policy.torch_dtype)
+        cycling = not torch.is_grad_enabled() and not self.phase.now.backward
+        if not cycling:
+            self.cycle.end()
+        elif self.cycle.holds(unit):
+            return  # gathered, its views bound, for a cycle of passes without grad
         self.schedule.unit_entered(unit)
         self.updates.wait(unit)
         if self.phase.now is Phase.FORWARD:
             self._prefetch(self.trace.visit("forward", unit.index))
-        self._gather(unit)
+        if cycling:  # [Note: forward cycles]
+            self._prefetch(self.cycle.visit(unit, pending_backward=bool(self.gradients.backward_pass.runs)))
+        kept_in = self.cycle.keeps(unit)
+        self._gather(unit, kept_in or Tier.DEVICE)
+        if kept_in is not None:
+            self.cycle.gathered(unit)
         if self.schedule.needs_views(unit):
             views = unit.bind_views()
             if not self.phase.now.backward and torch.is_grad_enabled():
@@ -190,10 +203,11 @@ class UnitLifecycle:
         # micro-batch has run it.
         if self.phase.now is Phase.FORWARD and self.schedule.holds("forward", unit):
             return
-        if not self.phase.now.backward:
+        if not self.phase.now.backward and not self.cycle.holds(unit):
             unit.release()
 
     def unit_backward_start(self, unit: FlatUnit) -> None:
+        self.cycle.end()
         self.in_backward()
         self.updates.wait(unit)
         self._prefetch(self.trace.visit("backward", unit.index))
@@ -216,7 +230,7 @@ class UnitLifecycle:
         """Backward is done with a frozen unit (its module's inputs have their gradients), or a root
         unit ran without grad: let the full parameters go (in a train_batch, after the last
         micro-batch's)."""
-        if not self.schedule.holds("backward", unit):
+        if not self.schedule.holds("backward", unit) and not self.cycle.holds(unit):
             unit.release()
 
     # -- the phase -------------------------------------------------------------------------------
@@ -264,6 +278,13 @@ class UnitLifecycle:
         self.gradients.end_micro_step()
         self.trace.end_step()
 
+    def engine_called(self, *, without_grad: bool) -> None:
+        """An engine call begins (`_engine_call` in engine.py): the micro-step of a plain
+        `loss.backward()` before it ends, and, but for a forward without grad, a cycle of passes."""
+        self.end_plain_backward()
+        if not without_grad:
+            self.cycle.end()
+
     def end_plain_backward(self) -> None:
         """The engine is called again after a plain `loss.backward()` (`_engine_call`, `close`): its
         micro-step ends here."""
@@ -307,19 +328,23 @@ class UnitLifecycle:
 
     # -- gathering -------------------------------------------------------------------------------
 
-    def reshard_all(self) -> None:
+    def reshard_all(self, *, keep_cycle: bool = False) -> None:
+        """Let every unit go; `keep_cycle`: but those a cycle of passes keeps ([Note: forward cycles])."""
+        if not keep_cycle:
+            self.cycle.end()
         for u in self.units:
-            u.release()
+            if not self.cycle.holds(u):
+                u.release()
 
     def gathered_bytes(self) -> int:
         return sum(u.flat.untyped_storage().nbytes() for u in self.units  # borrowed ones are in the store
                    if u.state is UnitState.UNSHARDED and not u.aliased and not u.borrowed)
 
-    def _gather(self, unit: FlatUnit) -> None:
+    def _gather(self, unit: FlatUnit, tier: Tier = Tier.DEVICE) -> None:
         """The unit's whole parameters, gathered unless they already are (a resident unit, the root
-        unit in backward, a unit recomputed under activation checkpointing)."""
+        unit in backward, a unit recomputed under activation checkpointing); borrowed from `tier`."""
         if unit.state is UnitState.SHARDED:
-            unit.unshard()
+            unit.unshard(tier)
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes())
 
     def _prefetch(self, unit_indices: list[int]) -> None:

@@ -71,3 +71,31 @@ def test_what_would_copy_the_weights_out_of_the_tiers_is_refused(tmp_path, model
                                          outcore_config=nvme_config(str(tmp_path / "nvme")))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "nvme").exists()
+
+
+def test_each_generation_batch_is_one_generate_call_through_a_cycle_of_passes(tmp_path, model_path, monkeypatch):
+    """All the completions of a generation batch (prompts x num_generations) come from one `generate`
+    call, whose decoding passes keep the units that fit gathered ([Note: forward cycles])."""
+    calls = []
+    generate = transformers.GenerationMixin.generate
+
+    def counted(model, *args, **kwargs):
+        out = generate(model, *args, **kwargs)
+        cycle = trainer_box[0].engine.lifecycle.cycle if trainer_box else None
+        calls.append((out.shape[0], cycle is not None and cycle.plan is not None and bool(cycle.held)))
+        return out
+
+    trainer_box = []
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counted)
+    args = trainer_args(str(tmp_path / "run"), cls=trl.GRPOConfig, learning_rate=1e-2, max_steps=2, warmup_steps=0,
+                        num_generations=2, max_completion_length=6, beta=0.0, gradient_accumulation_steps=2)
+    trainer = outcore_trainer(trl.GRPOTrainer)(model_path, length, args, train_dataset=prompts(),
+                                               processing_class=transformers.AutoTokenizer.from_pretrained(model_path),
+                                               outcore_config=nvme_config(str(tmp_path / "nvme")))
+    trainer_box.append(trainer)
+    trainer.train()
+    batch = args.generation_batch_size
+    assert batch == args.per_device_train_batch_size * args.steps_per_generation
+    assert calls == [(batch, True)] * 2  # one call a generation batch, each step's completions at once
+    assert not trainer.engine.lifecycle.cycle.held  # training let them go
+    trainer.engine.close()

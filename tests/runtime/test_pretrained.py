@@ -70,7 +70,9 @@ def test_weights_give_the_logits_and_the_generation_of_from_pretrained(tmp_path,
         ours = engine.module.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
         theirs = ref.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     assert ours.shape == (1, 15) and torch.equal(ours, theirs)
-    assert engine.stats()["gathered"]["bytes"] == 0  # every unit let go after inference
+    # The units a cycle of passes keeps gathered borrow the store's memory: inside its budgets.
+    assert engine.stats()["gathered"]["bytes"] == 0
+    engine.full_state_dict()  # any other engine call ends the cycle, and lets them go
     assert all(u.state.value == "sharded" for u in engine.units)
     engine.close()
 

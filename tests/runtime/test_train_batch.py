@@ -181,8 +181,8 @@ def test_each_unit_is_gathered_once_in_forward_and_once_in_backward(tmp_path, mo
     peak = [0]
     unshard, reshard = flat_unit.FlatUnit.unshard, flat_unit.FlatUnit.reshard
 
-    def counting_unshard(self):
-        unshard(self)
+    def counting_unshard(self, *tier):
+        unshard(self, *tier)
         gathers.append(self.index)
         live.add(self.index)
         peak[0] = max(peak[0], len(live))
