@@ -168,6 +168,10 @@ class ForwardCycle:
         others = {t: max(0, stats[t.name.lower()]["resident"] - params_in[t]) for t in params_in}
         device_room = stats["device"]["budget"] - others[Tier.DEVICE]
         host_room = stats["host"]["budget"] - others[Tier.HOST] if self.store.zero_copy and self.params_on_nvme else 0
+        if not self.store.zero_copy and self.params_on_nvme and not self._said and not quiet:
+            self._said = True  # a unit computes on the GPU: HOST memory cannot hold one gathered
+            log.info("forward passes without grad keep units gathered in the device budget only; the host budget "
+                     "holds the others' shards as they page")
         def window(streaming: Iterable[int]) -> int:
             # The unit running (a quantized one's codes beside its values) and those prefetched onto DEVICE.
             units = list(streaming) or [0]

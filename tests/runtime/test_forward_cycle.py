@@ -128,3 +128,54 @@ def test_training_between_and_around_cycles_equals_training_without_them(tmp_pat
     assert torch.equal(runs["cycles"][1], runs["none"][1])
     for name, value in runs["none"][2].items():
         assert torch.equal(runs["cycles"][2][name], value), name
+
+
+def test_a_quantized_base_streamed_through_small_budgets_generates_as_bitsandbytes_does(tmp_path):
+    """nf4: a kept unit stays decoded for the cycle, a streamed one reads its codes and decodes them
+    each pass; the tokens are bitsandbytes' own."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from test_quantized import LORA, _reference
+
+    directory = llama(str(tmp_path / "m"))
+    with outcore.deferred_init():
+        model = peft.get_peft_model(deferred(directory), peft.LoraConfig(**LORA))
+    budget = 448 << 10
+    engine = outcore.Engine(model, outcore.Config(
+        stage=3, offload_params="nvme", offload_optimizer="nvme", grad_clip=None, nvme_dir=str(tmp_path / "nvme"),
+        quantize="nf4", device_budget=budget, host_budget=budget), outcore.AdamW(lr=1e-3), weights=directory)
+    assert 2 * budget < sum(u.gathered_nbytes for u in engine.units)  # not all of it decoded at once
+    ref = _reference(directory)
+    ref.load_state_dict({k: v for k, v in engine.full_state_dict().items() if "lora_" in k}, strict=False)
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = ref.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=False)  # (train mode: no packed kernel)
+        assert torch.equal(engine.module.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=False), theirs)
+        cycle = engine.lifecycle.cycle
+        assert any(engine.units[i].decodes_in_store for i in cycle.plan.kept)
+        streamed = [engine.units[i] for i in cycle.plan.streamed]
+        assert any(u.decodes_in_store for u in streamed)
+        read0 = engine.stats()["bytes_read"]
+        assert torch.equal(engine.module.generate(input_ids=prompt, max_new_tokens=NEW, do_sample=False), theirs)
+    assert engine.stats()["bytes_read"] - read0 <= NEW * sum(u.stored_nbytes for u in streamed)
+    engine.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_cycle_keeps_units_in_device_memory_and_streams_the_rest(tmp_path):
+    directory = llama(str(tmp_path / "m"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory).eval().cuda()
+    model = deferred(directory).requires_grad_(False)
+    total = 4 * sum(p.numel() for p in model.parameters())
+    engine = outcore.Engine(model, outcore.Config(
+        stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_dir=str(tmp_path / "nvme"), grad_clip=None,
+        device_budget=total // 2, host_budget=total // 2), weights=directory, device="cuda")
+    engine.module.eval()
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    assert torch.equal(generate(engine.module, prompt), generate(ref, prompt))
+    cycle = engine.lifecycle.cycle
+    assert set(cycle.plan.kept.values()) == {Tier.DEVICE} and cycle.plan.streamed  # no unit kept in HOST
+    read0 = engine.stats()["bytes_read"]
+    assert torch.equal(generate(engine.module, prompt), generate(ref, prompt))
+    assert engine.stats()["bytes_read"] - read0 <= NEW * cycle.streamed_bytes()
+    engine.close()
