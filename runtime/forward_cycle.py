@@ -21,6 +21,7 @@ so there the units are gathered for each pass as before, prefetched in the cycle
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class CyclePlan:
     order: tuple[int, ...]  # unit indices as the cycle's first pass ran them
     kept: dict[int, Tier]  # unit index -> the tier its gathered bytes are borrowed from
     streamed: tuple[int, ...]
+    ahead: int = 1  # streamed units prefetched ahead of the one running
 
     def streamed_after(self, unit: int, count: int) -> list[int]:
         """The next `count` streamed units after `unit` in the order, wrapping to the next pass."""
@@ -119,7 +121,7 @@ class ForwardCycle:
             if (seen and everyone) or self.visits > 2 * len(self.units):
                 order, self.recording = self.recording, None
                 self.plan = self._plan(order)
-        return [] if self.plan is None else self.plan.streamed_after(unit.index, self.depth)
+        return [] if self.plan is None else self.plan.streamed_after(unit.index, self.plan.ahead)
 
     def keeps(self, unit: FlatUnit) -> Tier | None:
         """The tier `unit` is to be gathered in and stay for the cycle (`gathered` says it was), or
@@ -157,35 +159,49 @@ class ForwardCycle:
         order = [i for i in order if not self.units[i].resident]
         sizes = {i: round_up(self.units[i].gathered_nbytes) for i in order}
         stored = {i: round_up(self.units[i].stored_nbytes) for i in order}
+        device_room, host_room = self._rooms(quiet)
+
+        def planned(ahead: int) -> CyclePlan:
+            def window(streaming: Iterable[int]) -> int:  # the unit running (a quantized one's codes
+                units = list(streaming) or [0]  # beside its values) and those prefetched onto DEVICE
+                running = max(sizes.get(i, 0) + (stored.get(i, 0) if self.units[i].decodes_in_store else 0)
+                              for i in units)
+                return running + min(ahead, self.device_ahead) * max(stored.get(i, 0) for i in units)
+
+            first = plan_cycle(order, sizes, device_room=device_room, host_room=host_room, window=window(order))
+            # Again with the window of the units that stream: no larger ones than the first plan's.
+            plan = plan_cycle(order, sizes, device_room=device_room, host_room=host_room,
+                              window=window(first.streamed))
+            return dataclasses.replace(plan, ahead=ahead)
+
+        # One unit read ahead leaves the most room to keep, and is time enough where three kept units
+        # or more compute between two streamed ones (they are spread); else the prefetch depth.
+        plan = planned(1)
+        if len(plan.streamed) * 4 > len(order) and self.depth > 1:
+            plan = planned(self.depth)
+        if not quiet:
+            log.info("a cycle of forward passes keeps %d of %d units gathered (%d bytes); %d stream, %d bytes a pass",
+                     len(plan.kept), len(order), sum(sizes[i] for i in plan.kept), len(plan.streamed),
+                     self.streamed_bytes(plan))
+        return plan
+
+    def _rooms(self, quiet: bool) -> tuple[int, int]:
+        """The DEVICE and HOST bytes a cycle may keep units in: the budgets, less what else rests
+        there (optimizer states, gradients: evicted, they would be written back and read again at the
+        next step). HOST only on a CPU, where a unit computes where it rests."""
         stats = self.store.stats()
         params_in = {Tier.DEVICE: 0, Tier.HOST: 0}
         for u in self.units:
             tier = self.store.tier_of(u.param_key)
             if tier in params_in and not u.resident:
                 params_in[tier] += round_up(u.stored_nbytes)
-        # What else rests in a tier (optimizer states, gradients) keeps its room: evicting it would
-        # write it back and read it again at the next step.
         others = {t: max(0, stats[t.name.lower()]["resident"] - params_in[t]) for t in params_in}
-        device_room = stats["device"]["budget"] - others[Tier.DEVICE]
         host_room = stats["host"]["budget"] - others[Tier.HOST] if self.store.zero_copy and self.params_on_nvme else 0
         if not self.store.zero_copy and self.params_on_nvme and not self._said and not quiet:
-            self._said = True  # a unit computes on the GPU: HOST memory cannot hold one gathered
+            self._said = True
             log.info("forward passes without grad keep units gathered in the device budget only; the host budget "
                      "holds the others' shards as they page")
-        def window(streaming: Iterable[int]) -> int:
-            # The unit running (a quantized one's codes beside its values) and those prefetched onto DEVICE.
-            units = list(streaming) or [0]
-            return (max(sizes.get(i, 0) + (stored.get(i, 0) if self.units[i].decodes_in_store else 0) for i in units)
-                    + self.device_ahead * max(stored.get(i, 0) for i in units))
-
-        plan = plan_cycle(order, sizes, device_room=device_room, host_room=host_room, window=window(order))
-        # Planned again with the window of the units that stream: no larger ones than the first plan's.
-        plan = plan_cycle(order, sizes, device_room=device_room, host_room=host_room, window=window(plan.streamed))
-        if not quiet:
-            log.info("a cycle of forward passes keeps %d of %d units gathered (%d bytes); %d stream, %d bytes a pass",
-                     len(plan.kept), len(order), sum(sizes[i] for i in plan.kept), len(plan.streamed),
-                     self.streamed_bytes(plan))
-        return plan
+        return stats["device"]["budget"] - others[Tier.DEVICE], host_room
 
     def streamed_bytes(self, plan: CyclePlan | None = None) -> int:
         """The stored bytes a pass reads again: the streamed units' shards."""
