@@ -146,6 +146,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from outcore.tools.estimate_report import (
         activation_rows_printed,
         estimate_json,
+        generation_report,
         max_seq_lines,
         predicted_step,
         print_table,
@@ -194,9 +195,15 @@ def _estimate(args: argparse.Namespace) -> int:
     for line in verdict_lines(verdict_, machine):
         print(line)
     summary = estimate_json(args, model, rows, activations, step_rows, prediction, verdict_)
-    if args.max_seq:
-        summary["max_seq"], said = max_seq_lines(args, model, verdict_, machine)
-        print("\n".join(said))
+    try:
+        if args.max_seq:
+            summary["max_seq"], said = max_seq_lines(args, model, verdict_, machine)
+            print("\n".join(said))
+        if args.generate:
+            summary["generation"], said = generation_report(args, model, verdict_, machine)
+            print("\n".join(said))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     write_json(args.json, summary)
     return EXIT_OK
 

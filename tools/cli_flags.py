@@ -282,8 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's)")
     e.add_argument("--max-seq", action="store_true", help="also say the longest --seq whose activations fit beside "
                    "the verdict's budgets (this machine's memory, or --max-memory), with the flags")
-    e.add_argument("--max-memory", type=_size, metavar="SIZE", help="with --max-seq: the memory the run may take, in "
-                   "place of what this machine has available")
+    e.add_argument("--max-memory", type=_size, metavar="SIZE", help="with --max-seq or --generate: the memory the run "
+                   "may take, in place of what this machine has available")
+    e.add_argument("--generate", type=positive_int, metavar="TOKENS", help="also say the KV cache a generated "
+                   "sequence of TOKENS tokens (prompt and completion) holds, and the largest generation batch "
+                   "(GRPO's prompts x num_generations) whose cache fits beside the verdict's budgets")
     e.add_argument("--json", metavar="PATH", help="also write the estimate as JSON")
     pr = e.add_argument_group("step prediction (--predict; one stage and offload setting)")
     pr.add_argument("--predict", action="store_true", help="predict the step: its time by kind of work, what "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from outcore.hf.source import HFModel
 from outcore.runtime.sizes import human_count
 from outcore.tools.estimate import hf_dims, quantized_stored
+from outcore.tools.generation_memory import kv_width
 from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
 
 
@@ -21,6 +22,7 @@ class SizedModel:
     dims: tuple[int, int, int, int] | None = None  # layers, d_model, vocab, context
     what: str = ""
     hf: bool = False  # a Hugging Face model directory (activation checkpointing on under `train`)
+    kv_width: int | None = None  # its attention's key/value width (tools/generation_memory.py)
 
 
 def sized_model(args: argparse.Namespace) -> SizedModel:
@@ -33,7 +35,7 @@ def sized_model(args: argparse.Namespace) -> SizedModel:
         units, shape = synthetic_unit_numels(args.params)
         return SizedModel(units, {}, (shape.layers, shape.d_model, shape.vocab, shape.seq),
                           f"a GPT of {human_count(sum(units))} parameters ({shape.layers} layers, d_model "
-                          f"{shape.d_model}, vocab {shape.vocab})")
+                          f"{shape.d_model}, vocab {shape.vocab})", kv_width=shape.d_model)
     if args.lora is not None:
         if not os.path.isdir(args.model):
             raise ValueError("--lora sizes adapters of a Hugging Face model: give --model DIR.")
@@ -46,13 +48,14 @@ def sized_model(args: argparse.Namespace) -> SizedModel:
         if args.quantize is not None:  # ... or its quantized blocks from the swap file
             layout["stored"] = quantized_stored(units, layout, args.world_size, args.quantize, args.quantize_double)
             what += f", the base {args.quantize}"
-        return SizedModel(units, layout, hf_dims(hf.config()), what, hf=True)
+        return SizedModel(units, layout, hf_dims(hf.config()), what, hf=True, kv_width=kv_width(hf.config()))
     source = resolve_model(args.model, causal_only=False)
     units, layout = source_layout(source)
-    dims = None
+    dims, width = None, None
     if source.gpt is not None:
-        dims = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq)
+        dims, width = (source.gpt.layers, source.gpt.d_model, source.gpt.vocab, source.gpt.seq), source.gpt.d_model
     elif os.path.isdir(args.model):
-        dims = hf_dims(HFModel(args.model).config())
+        config = HFModel(args.model).config()
+        dims, width = hf_dims(config), kv_width(config)
     return SizedModel(units, layout, dims, f"{args.model} ({human_count(sum(units))} parameters)",
-                      hf=os.path.isdir(args.model))
+                      hf=os.path.isdir(args.model), kv_width=width)

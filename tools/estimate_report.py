@@ -18,7 +18,8 @@ from outcore.tools import machine_rates
 from outcore.tools import step_estimate as se
 from outcore.tools.activations import Shape, activation_rows, chosen_by_train
 from outcore.tools.estimate_model import SizedModel
-from outcore.tools.estimate_verdict import Machine, Verdict, longest_context
+from outcore.tools.estimate_verdict import Machine, Verdict, longest_context, room_beside_budgets
+from outcore.tools.generation_memory import generation_lines
 from outcore.tools.report import table
 
 
@@ -219,3 +220,15 @@ def max_seq_lines(args: argparse.Namespace, model: SizedModel, recommended: Verd
     return longest_context(recommended, machine, Shape(layers, d_model, vocab), batch=args.batch or 1,
                            dtype=args.dtype, checkpointed=args.checkpoint_activations or model.hf or layers >= 24,
                            device=args.device, max_memory=args.max_memory, pieces=model.hf)
+
+
+def generation_report(args: argparse.Namespace, model: SizedModel, recommended: Verdict, machine: Machine
+                      ) -> tuple[dict[str, int], list[str]]:
+    """`--generate TOKENS`: a sequence's KV cache, and the largest generation batch that fits beside
+    the recommended budgets."""
+    if model.dims is None or model.kv_width is None:
+        raise ValueError(f"--generate: the KV cache of {args.model!r} cannot be sized from here; give a preset, "
+                         "--params or a model directory.")
+    _, room, where = room_beside_budgets(recommended, machine, args.device, args.max_memory)
+    return generation_lines(layers=model.dims[0], width=model.kv_width, tokens=args.generate, dtype=args.dtype,
+                            room=room, where=where)

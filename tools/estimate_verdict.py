@@ -146,21 +146,26 @@ def verdict_lines(v: Verdict, machine: Machine) -> list[str]:
     return lines
 
 
+def room_beside_budgets(v: Verdict, machine: Machine, device: str, max_memory: int | None) -> tuple[int, int, str]:
+    """The memory a step's own tensors (activations, a KV cache) live in, what the verdict's budgets
+    leave of it, and its name: on a CPU the RAM available, or --max-memory, less this process and
+    the slack, as `outcore train` counts them (tools/memory_bound.py); on a GPU its memory."""
+    if device == "cpu":
+        total, where = (max_memory, f"--max-memory {human_bytes(max_memory)}") if max_memory is not None else (
+            machine.ram_available, f"the {human_bytes(machine.ram_available)} of RAM available")
+        slack = int(max_memory * SLACK) if max_memory is not None else 0
+        return total, total - slack - v.device_budget - v.host_budget - psutil.Process().memory_info().rss, where
+    total = int(GPU_SHARE * machine.gpu_bytes)
+    return total, total - v.device_budget, f"{machine.gpu or 'the GPU'}'s memory"
+
+
 def longest_context(v: Verdict, machine: Machine, shape: Shape, *, batch: int, dtype: str, checkpointed: bool,
                     device: str, max_memory: int | None, pieces: bool = False) -> tuple[int, list[str]]:
     """`estimate --max-seq`: the longest `--seq` whose activations fit beside the verdict's budgets, in
     the memory where they live (on a CPU the RAM available, or --max-memory, less this process, as
     `outcore train`'s preflight counts them; on a GPU its memory), and what to say of it. `pieces`:
     the loss over chunks, MLP tiles and paged block inputs as `outcore train --model` chooses them."""
-    if device == "cpu":
-        total, where = (max_memory, f"--max-memory {human_bytes(max_memory)}") if max_memory is not None else (
-            machine.ram_available, f"the {human_bytes(machine.ram_available)} of RAM available")
-        slack = int(max_memory * SLACK) if max_memory is not None else 0
-        # as train counts it (tools/memory_bound.py)
-        room = total - slack - v.device_budget - v.host_budget - psutil.Process().memory_info().rss
-    else:
-        total, where = int(GPU_SHARE * machine.gpu_bytes), f"{machine.gpu or 'the GPU'}'s memory"
-        room = total - v.device_budget
+    total, room, where = room_beside_budgets(v, machine, device, max_memory)
     how: dict[str, Any] = {}
     if pieces:  # as `outcore train --model` computes the step (tools/sequence_pieces.py)
         how = chosen_by_train(shape, max_memory, memory=total)
