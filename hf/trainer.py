@@ -227,7 +227,8 @@ class OutcoreTrainerMixin:
         said = self.is_world_process_zero()  # type: ignore[attr-defined]
         if said:
             print(start_line(self.engine), file=sys.stderr)
-            notes = [dropout_note(self.model), generation_note(self.engine) if generates(type(self)) else None]
+            generating = generation_note(self.engine, self.args) if generates(type(self)) else None
+            notes = [dropout_note(self.model), generating]
             for note in filter(None, notes):
                 print(note, file=sys.stderr)
         at_start, step = self.engine.stats(), self.engine.global_step

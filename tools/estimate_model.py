@@ -8,10 +8,10 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from outcore.hf.generation import kv_width
 from outcore.hf.source import HFModel
 from outcore.runtime.sizes import human_count
 from outcore.tools.estimate import hf_dims, quantized_stored
-from outcore.tools.generation_memory import kv_width
 from outcore.tools.model_source import resolve_model, source_layout, synthetic_unit_numels, unit_layout
 
 

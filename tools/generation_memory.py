@@ -10,23 +10,8 @@ token of every sequence, in the compute dtype. A decoding step's other tensors a
 
 from __future__ import annotations
 
-from typing import Any
-
-from outcore.runtime.policy import DTYPES
+from outcore.hf.generation import kv_bytes
 from outcore.runtime.sizes import human_bytes
-
-
-def kv_width(config: Any) -> int:
-    """A Hugging Face config's key/value width: its key/value heads times their dimension (grouped
-    query attention keeps fewer heads than the queries')."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-
-
-def kv_bytes(*, layers: int, width: int, tokens: int, dtype: str) -> int:
-    """The KV cache of one sequence of `tokens` tokens."""
-    return 2 * layers * width * tokens * DTYPES[dtype][1]
 
 
 def generation_lines(*, layers: int, width: int, tokens: int, dtype: str, room: int, where: str

@@ -9,6 +9,8 @@ import torch
 from trainer_setup import STORY, logged, nvme_config, trainer_args
 
 from outcore.hf import outcore_trainer
+from outcore.hf.generation import kv_bytes, kv_width
+from outcore.runtime.sizes import human_bytes
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -73,7 +75,8 @@ def test_what_would_copy_the_weights_out_of_the_tiers_is_refused(tmp_path, model
     assert not (tmp_path / "nvme").exists()
 
 
-def test_each_generation_batch_is_one_generate_call_through_a_cycle_of_passes(tmp_path, model_path, monkeypatch):
+def test_each_generation_batch_is_one_generate_call_through_a_cycle_of_passes(tmp_path, model_path, monkeypatch,
+                                                                                capfd):
     """All the completions of a generation batch (prompts x num_generations) come from one `generate`
     call, whose decoding passes keep the units that fit gathered ([Note: forward cycles])."""
     calls = []
@@ -95,6 +98,11 @@ def test_each_generation_batch_is_one_generate_call_through_a_cycle_of_passes(tm
     trainer_box.append(trainer)
     trainer.train()
     batch = args.generation_batch_size
+    config = trainer.engine.model.config
+    cache = batch * kv_bytes(layers=config.num_hidden_layers, width=kv_width(config), tokens=6, dtype="fp32")
+    said = capfd.readouterr().err
+    assert "a new token reads nothing" in said  # the default budgets hold this model
+    assert f"a generation batch of {batch} sequences keeps a KV cache of {human_bytes(cache)}" in said
     assert batch == args.per_device_train_batch_size * args.steps_per_generation
     assert calls == [(batch, True)] * 2  # one call a generation batch, each step's completions at once
     assert not trainer.engine.lifecycle.cycle.held  # training let them go

@@ -5,8 +5,8 @@ import json
 
 import transformers
 
+from outcore.hf.generation import kv_bytes, kv_width
 from outcore.tools.cli import main
-from outcore.tools.generation_memory import kv_bytes, kv_width
 
 
 def test_the_key_value_width_follows_grouped_query_attention():
