@@ -14,7 +14,11 @@ trained a few steps, in a process of its own so that its peak host RSS is its ow
 - `llama-8b-lora-128k` and `llama-70b-qlora-32k`: long context, one sample of 131,072 and 32,768
   tokens a step under 24 and 22 GiB device budgets, the loss over chunks and the MLPs over tiles
   chosen by the engine (`Config.loss_chunk_tokens`/`tile_tokens="auto"`), the block inputs paged
-  to host memory (`offload_activations="cpu"`).
+  to host memory (`offload_activations="cpu"`);
+- `llama-8b-grpo`: GRPO's sampling, LoRA r=16 on a Llama-8B shape whose 16 GB bf16 base rests in
+  host memory, under an 8 GiB device budget: 8 completions of 256 new tokens for a prompt of 256
+  tokens, generated
+  in one call (`generation_row`), tokens/s and the bytes read a token.
 Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
 prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
 
@@ -52,6 +56,8 @@ class ModelShape:
     # a long-context row: one sample a step, the loss over chunks and MLP tiles chosen ("auto"), and
     # the block inputs kept for backward paged to host memory (issue 71)
     long_context: bool = False
+    generations: int = 0  # a generation row (GRPO's sampling): completions a prompt; 0: a training row
+    new_tokens: int = 0  # tokens each completion generates
 
 
 SHAPES = {
@@ -73,6 +79,10 @@ SHAPES = {
                                                vocab_size=128256),
                                  lora=16, offload_params="auto", device_budget=22 << 30, quantize="nf4",
                                  seq=32_768, long_context=True),
+    "llama-8b-grpo": ModelShape("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+                           lora=16, offload_params="cpu", device_budget=8 << 30, seq=256, generations=8,
+                           new_tokens=256),
 }
 
 
@@ -152,6 +162,8 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
     from outcore.tools.report import peak_rss
 
     shape = SHAPES[name]
+    if shape.generations:
+        return generation_row(name, device=device, nvme_dir=nvme_dir, batch=batch, seq=seq, overrides=overrides)
     if shape.long_context:  # one sample of the row's context a step (a test gives a shorter `seq`)
         accumulate = 1
     model, init = build(shape, overrides)
@@ -196,6 +208,51 @@ def run_row(name: str, *, device: str, nvme_dir: str, rates: dict, batch: int, s
             "offload_activations": config.offload_activations,
             "activation_bytes_paged_per_step": last["activations"]["bytes_paged"],
             "predicted": predicted.as_dict(machine.peak_flops), "rates": dataclasses.asdict(machine)}
+
+
+def generation_row(name: str, *, device: str, nvme_dir: str, batch: int, seq: int,
+                   overrides: dict[str, int] | None = None) -> dict:
+    """Generate as GRPO samples: `batch` prompts of `seq` tokens x the row's generations, its new
+    tokens each, greedy, in one `generate` call, after one warm-up call (the cycle's order recorded
+    and its kept units gathered: runtime/forward_cycle.py); tokens/s, the bytes read a token, and
+    what the cycle keeps and streams."""
+    from outcore import runtime
+    from outcore.tools.report import peak_rss
+
+    shape = SHAPES[name]
+    model, init = build(shape, overrides)
+    vocab = int((overrides or {}).get("vocab_size", shape.config["vocab_size"]))
+    prompts = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.repeat_interleave(shape.generations, 0)
+    with tempfile.TemporaryDirectory(dir=nvme_dir) as d:
+        engine = runtime.Engine(model, config_of(shape, d, 1), runtime.AdamW(lr=1e-5), device=device, init_fn=init)
+        try:
+            engine.module.eval()
+            x = prompts.to(engine.device)
+
+            def generate() -> None:
+                with torch.no_grad():
+                    engine.module.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                           max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
+                                           pad_token_id=0)
+                _synchronize(engine.device)
+
+            generate()
+            before, t0 = engine.stats(), time.perf_counter()
+            generate()
+            seconds, after = time.perf_counter() - t0, engine.stats()
+            cycle = engine.lifecycle.cycle
+            kept = 0 if cycle.plan is None else len(cycle.plan.kept)
+            streamed = cycle.streamed_bytes()
+        finally:
+            engine.close()
+    return {"row": name, "sequences": len(prompts), "prompt": seq, "new_tokens": shape.new_tokens,
+            "s_per_token": seconds / shape.new_tokens,
+            "tokens_per_s": len(prompts) * shape.new_tokens / seconds,
+            "bytes_read_per_token": (after["bytes_read"] - before["bytes_read"]) / shape.new_tokens,
+            "units_kept": kept, "units": len(engine.units), "streamed_bytes_per_token": streamed,
+            "device_budget": shape.device_budget, "peak_host_rss_bytes": peak_rss(),
+            "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
 
 
 def deepspeed_note() -> str:
