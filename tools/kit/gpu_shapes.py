@@ -17,8 +17,7 @@ trained a few steps, in a process of its own so that its peak host RSS is its ow
   to host memory (`offload_activations="cpu"`);
 - `llama-8b-grpo`: GRPO's sampling, LoRA r=16 on a Llama-8B shape whose 16 GB bf16 base rests in
   host memory, under an 8 GiB device budget: 8 completions of 256 new tokens for a prompt of 256
-  tokens, generated
-  in one call (`generation_row`), tokens/s and the bytes read a token.
+  tokens, generated in one call (`generation_row`), tokens/s and the bytes read a token.
 Each row gives tokens/s, MFU, peak host RSS and bytes moved per step, with the estimate's
 prediction (tools/step_estimate.py) beside it, from the rates the kit measured.
 
