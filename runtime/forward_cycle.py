@@ -95,6 +95,7 @@ class ForwardCycle:
         self.device_ahead, self.depth, self.params_on_nvme = device_ahead, prefetch_depth, params_on_nvme
         self.recording: list[int] | None = None  # the order of the units' first runs, until it is planned
         self.visits = 0  # unit runs while recording
+        self.cycled = 0  # units not resident, counted as recording begins
         self.plan: CyclePlan | None = None
         self.held: set[int] = set()  # units gathered for the whole cycle, in the plan's tier
         self._said = False
@@ -112,13 +113,13 @@ class ForwardCycle:
             if pending_backward:
                 return []
             self.recording, self.visits = [], 0
+            self.cycled = sum(1 for u in self.units if not u.resident)  # the units a pass gathers
         if self.recording is not None:
             self.visits += 1
             seen = unit.index in self.recording
             if not seen:
                 self.recording.append(unit.index)
-            everyone = len(self.recording) == sum(1 for u in self.units if not u.resident)
-            if (seen and everyone) or self.visits > 2 * len(self.units):
+            if (seen and len(self.recording) == self.cycled) or self.visits > 2 * len(self.units):
                 order, self.recording = self.recording, None
                 self.plan = self._plan(order)
         return [] if self.plan is None else self.plan.streamed_after(unit.index, self.plan.ahead)

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -227,13 +227,13 @@ def generation_row(name: str, *, device: str, nvme_dir: str, batch: int, seq: in
         engine = runtime.Engine(model, config_of(shape, d, 1), runtime.AdamW(lr=1e-5), device=device, init_fn=init)
         try:
             engine.module.eval()
-            x = prompts.to(engine.device)
+            x, module = prompts.to(engine.device), cast(Any, engine.module)  # a transformers model
 
             def generate() -> None:
                 with torch.no_grad():
-                    engine.module.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                           max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
-                                           pad_token_id=0)
+                    module.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
+                                    pad_token_id=0)
                 _synchronize(engine.device)
 
             generate()
